@@ -9,15 +9,19 @@
 //!
 //! 0. dropping every prefix-cache registration, after a failed step (see
 //!    [`BlockLedger::clear_cache`]),
-//! 1. prefix-cache registrations of blocks computed since the last commit,
-//! 2. pins of cached blocks matched by admitted requests,
+//! 1. pins of cached blocks matched by admitted requests,
+//! 2. prefix-cache registrations of blocks computed since the last commit,
 //! 3. frees (finished, aborted, preempted requests),
 //! 4. the allocation of the reserved blocks, least recently used first,
 //!
 //! and returns the ids, which [`crate::Scheduler::assign_blocks`] writes into the tables. The
 //! order makes the commit infallible: pins come before the allocations that could evict a
 //! matched block, frees before the allocations that counted on them, and the planner never
-//! reserves more than the ledger's free count, which equals the pool's. The ledger learns the
+//! reserves more than the ledger's free count, which equals the pool's. It also makes the pool
+//! take every registration the ledger took: the ledger registers only a referenced block, and
+//! with the pins applied first (the frees last) a block is referenced in the pool whenever it
+//! was in the ledger at any moment since the last commit (a block pinned from the cache,
+//! its registration then cleared, registers again while the pool would still count it free). The ledger learns the
 //! evictions from the ids it gets back (an allocated block loses its cached prefix), and with a
 //! host KV tier records them for its offloads ([`BlockLedger::take_evicted`]).
 
@@ -46,10 +50,10 @@ pub struct KvCommit {
     /// Drop every prefix-cache registration before the rest (a step failed: blocks it
     /// registered may not hold their KV).
     pub clear_cache: bool,
-    /// Full, computed blocks to register in the prefix cache.
-    pub cache: Vec<(BlockId, PrefixHash)>,
     /// Blocks gaining one reference (cached prefixes matched at admission).
     pub pin: Vec<BlockId>,
+    /// Full, computed blocks to register in the prefix cache.
+    pub cache: Vec<(BlockId, PrefixHash)>,
     /// Blocks losing one reference.
     pub free: Vec<BlockId>,
     /// Fresh blocks to allocate; their ids fill the reserved table entries in plan order.
@@ -76,11 +80,11 @@ impl BlockPool {
         if c.clear_cache {
             self.clear_cache();
         }
-        for &(b, h) in &c.cache {
-            self.cache_block(b, h);
-        }
         for &b in &c.pin {
             self.touch(b)?;
+        }
+        for &(b, h) in &c.cache {
+            self.cache_block(b, h);
         }
         for &b in &c.free {
             self.free(b)?;
@@ -228,14 +232,20 @@ impl BlockLedger {
         Some(PENDING_BLOCK)
     }
 
-    /// Adds a reference to a cached block (a prefix hit).
+    /// Adds a reference to a cached block (a prefix hit). An unreferenced block counts as
+    /// free: pinning one when reservations have claimed every free block is an error (the
+    /// commit could not allocate them).
     pub fn touch(&mut self, block: BlockId) -> Result<(), SchedulerError> {
         let r = self
             .refs
             .get_mut(block as usize)
             .ok_or(SchedulerError::UnknownBlock(block))?;
         if *r == 0 {
-            self.num_free -= 1;
+            self.num_free = self.num_free.checked_sub(1).ok_or_else(|| {
+                SchedulerError::Invariant(format!(
+                    "pin of free block {block} with every free block reserved"
+                ))
+            })?;
         }
         *r += 1;
         self.log.pin.push(block);
@@ -586,6 +596,50 @@ mod tests {
         let got = commit(&mut l, &mut p);
         assert_eq!(got, vec![ids[0]]);
         assert_eq!(p.lookup(h(9)), Some(ids[1]));
+    }
+
+    /// A block pinned from the cache while the pool counts it free, its registration then
+    /// cleared (a failed step) and registered again before the commit: the pool takes the
+    /// registration as the ledger did (the pins are applied before the registrations), and
+    /// the two stay equal.
+    #[test]
+    fn a_block_pinned_then_registered_again_after_a_clear_is_cached_in_both_views() {
+        let mut l = BlockLedger::new(3, 4).unwrap();
+        let mut p = BlockPool::new(3, 4).unwrap();
+        l.reserve();
+        let ids = commit(&mut l, &mut p);
+        assert!(l.cache_block(ids[0], h(1)));
+        l.free(ids[0]).unwrap();
+        commit(&mut l, &mut p);
+        let mut m = Vec::new();
+        assert_eq!(l.match_prefix(&[h(1)], &mut m), 1);
+        l.touch(m[0]).unwrap();
+        l.clear_cache();
+        assert!(l.cache_block(m[0], h(1)));
+        commit(&mut l, &mut p);
+        assert_eq!(p.lookup(h(1)), Some(ids[0]));
+        assert_eq!(p.ref_count(ids[0]), Some(1));
+    }
+
+    /// Reservations that claimed every free block, a cached one included: pinning that one is
+    /// an error, not a wrapped free count.
+    #[test]
+    fn a_pin_of_a_block_every_reservation_counts_on_is_an_error() {
+        let mut l = BlockLedger::new(2, 4).unwrap();
+        let mut p = BlockPool::new(2, 4).unwrap();
+        l.reserve();
+        let ids = commit(&mut l, &mut p);
+        assert!(l.cache_block(ids[0], h(1)));
+        l.free(ids[0]).unwrap();
+        commit(&mut l, &mut p);
+        l.reserve().unwrap();
+        l.reserve().unwrap();
+        assert_eq!(l.num_free(), 0);
+        assert!(matches!(l.touch(ids[0]), Err(SchedulerError::Invariant(_))));
+        assert_eq!(l.num_free(), 0);
+        assert_eq!(l.ref_count(ids[0]), Some(0));
+        l.check_invariants().unwrap();
+        assert_eq!(commit(&mut l, &mut p).len(), 2);
     }
 
     #[test]

@@ -10,6 +10,17 @@
 //! order. With a host KV tier (some workloads), a shadow of every block's contents replayed
 //! from the plans' copies and compute shows each scheduled request's blocks hold its own KV
 //! over its computed tokens, and the copies respect the rules of `host_tier.rs`.
+//!
+//! Continuations (some workloads): requests whose prompt is another request's prompt and the
+//! tokens it generates (multi-turn chat; beam search, which runs each step as one-token requests
+//! over the prefix cache), so prefix hits land on blocks registered while decoding, next to
+//! drafts rolled back, behind windows, after host-tier round trips, preemptions and aborts. A
+//! block's shadow content is keyed by its namespace and its exact tokens, not by request: a block
+//! in two tables of one plan holds the same tokens for both and is computed for both. With a
+//! detached pool (the engine's allocator actor), the pool gets the commits as the engine sends
+//! them and must equal the ledger after each. With failed steps (the engine's `fail_step`: their
+//! requests and those of the step in flight aborted, the prefix cache cleared), nothing the
+//! failed steps were to write is read by a request that goes on.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -42,6 +53,10 @@ struct Spec {
     prompt_logits: bool,
     /// LoRA adapter, from a small set so that adapters compete for `max_loras` slots.
     adapter: Option<u32>,
+    /// A continuation (see [`with_continuations`]): its parent's index modulo its own, the
+    /// tokens its prompt takes past the parent's prompt, the steps after the parent's arrival
+    /// it arrives, and whether it keeps the parent's namespace (adapter, tenant, cache salt).
+    parent: Option<(usize, usize, u64, bool)>,
 }
 
 #[derive(Clone, Debug)]
@@ -77,6 +92,10 @@ struct Workload {
     /// With a tier: cached blocks are stored there ahead of eviction
     /// ([`SchedulerConfig::kv_offload_ahead`]).
     ahead: bool,
+    /// Each request's prompt, built from the specs by [`fill_prompts`].
+    prompts: Vec<Vec<TokenId>>,
+    /// Every this many steps, the step fails on the device (see [`with_failures`]).
+    fail_every: Option<u64>,
 }
 
 fn spec() -> impl Strategy<Value = Spec> {
@@ -108,6 +127,7 @@ fn spec() -> impl Strategy<Value = Spec> {
                 end_after,
                 prompt_logits,
                 adapter,
+                parent: None,
             },
         )
 }
@@ -194,8 +214,98 @@ fn workload() -> impl Strategy<Value = Workload> {
                 reload_set,
                 host_blocks,
                 ahead,
+                prompts: Vec::new(),
+                fail_every: None,
             },
         )
+        .prop_map(fill_prompts)
+}
+
+/// Longest prompt a continuation takes from its parent's sequence.
+const MAX_TAKEN: usize = 40;
+
+/// Builds every request's prompt: its group's shared prefix then its own suffix; for a
+/// continuation, its parent's prompt and the tokens the parent generates after it (as
+/// [`token`] makes them, at most [`MAX_TAKEN`] tokens in all) then at most two of its own, and
+/// it arrives after its parent, mostly in its namespace. Every strategy ends with it.
+fn fill_prompts(mut w: Workload) -> Workload {
+    w.prompts.clear();
+    for i in 0..w.reqs.len() {
+        let own = |k: usize| 50_000 + (i * 100 + k) as TokenId;
+        let r = &w.reqs[i];
+        let (mut prompt, suffix) = match r.parent {
+            Some((p, take, delay, same_ns)) if i > 0 => {
+                let p = p % i;
+                let parent = &w.reqs[p];
+                let mut base = w.prompts[p].clone();
+                let plen = base.len();
+                let taken = take.min(parent.max_tokens as usize);
+                base.extend((plen..plen + taken).map(|pos| token(&w, RequestId(p as u64), pos)));
+                base.truncate(MAX_TAKEN);
+                let (arrival, adapter, tenant, salted) = (
+                    parent.arrival_step + delay,
+                    parent.adapter,
+                    parent.tenant,
+                    parent.salted,
+                );
+                let r = &mut w.reqs[i];
+                r.arrival_step = arrival;
+                if same_ns {
+                    r.adapter = adapter;
+                    r.tenant = tenant;
+                    r.salted = salted;
+                }
+                (base, r.suffix_len % 3)
+            }
+            _ => (
+                (0..r.prefix_len)
+                    .map(|k| 1 + r.group * 1000 + k as u32)
+                    .collect(),
+                r.suffix_len,
+            ),
+        };
+        prompt.extend((0..suffix).map(own));
+        if prompt.is_empty() {
+            prompt.push(own(0));
+        }
+        w.prompts.push(prompt);
+    }
+    w
+}
+
+/// `workloads` where a step fails on the device now and then, as the engine's `fail_step`
+/// handles it: every request of that step and of the step in flight beside it is aborted, the
+/// launched steps are forgotten and the prefix cache is cleared; nothing those steps were to
+/// write or copy holds anything after (the shadow forgets it), and no request that goes on may
+/// read it.
+fn with_failures(workloads: impl Strategy<Value = Workload>) -> impl Strategy<Value = Workload> {
+    (workloads, 3u64..16).prop_map(|(mut w, k)| {
+        w.fail_every = Some(k);
+        w
+    })
+}
+
+/// `workloads` with continuations: more than half the requests continue an earlier one (of
+/// the first few, so that several continue one, as a beam search's steps do).
+fn with_continuations(
+    workloads: impl Strategy<Value = Workload>,
+) -> impl Strategy<Value = Workload> {
+    (
+        workloads,
+        prop::collection::vec(
+            prop::option::weighted(
+                0.6,
+                (0usize..4, 0usize..16, 0u64..12, prop::bool::weighted(0.85)),
+            ),
+            24,
+        ),
+    )
+        .prop_map(|(mut w, parents)| {
+            for (r, p) in w.reqs.iter_mut().zip(parents) {
+                r.parent = p;
+            }
+            fill_prompts(w)
+        })
 }
 
 /// A popular prefix coming back from the host tier: prefix caching and a tier always, every
@@ -213,7 +323,7 @@ fn burst_workload() -> impl Strategy<Value = Workload> {
             r.adapter = None;
             r.salted = false;
         }
-        w
+        fill_prompts(w)
     })
 }
 
@@ -243,7 +353,7 @@ fn preempting_burst_workload() -> impl Strategy<Value = Workload> {
                 r.priority = -2;
             }
         }
-        w
+        fill_prompts(w)
     })
 }
 
@@ -322,8 +432,9 @@ fn bounds_in_force(w: &Workload, check: &TierCheck) -> [usize; 3] {
 }
 
 /// The fewest blocks a tier's quota must have for `r` to run to its end alone.
-fn quota_need(w: &Workload, r: &Spec) -> usize {
-    let blocks = (r.prefix_len + r.suffix_len + r.max_tokens as usize).div_ceil(w.block_size);
+fn quota_need(w: &Workload, i: usize) -> usize {
+    let r = &w.reqs[i];
+    let blocks = (w.prompts[i].len() + r.max_tokens as usize).div_ceil(w.block_size);
     match w.window {
         Some(win) => blocks.min(win.blocks_held(w.block_size, w.max_num_batched_tokens)),
         None => blocks,
@@ -370,7 +481,7 @@ fn check_tier_blocks(
             let r = admitted[id];
             let b = &mut bounds[r.tier as usize];
             if *b != usize::MAX {
-                *b = (*b).max(quota_need(w, r));
+                *b = (*b).max(quota_need(w, id.0 as usize));
             }
         }
     }
@@ -453,11 +564,9 @@ fn make_policy(name: &str) -> Box<dyn Policy> {
     reg.create(name, &params, &tiers(None, [None; 3])).unwrap()
 }
 
-fn request(i: usize, s: &Spec) -> Request {
-    let mut prompt: Vec<TokenId> = (0..s.prefix_len)
-        .map(|k| 1 + s.group * 1000 + k as u32)
-        .collect();
-    prompt.extend((0..s.suffix_len).map(|k| 50_000 + (i * 100 + k) as u32));
+fn request(w: &Workload, i: usize) -> Request {
+    let s = &w.reqs[i];
+    let prompt = w.prompts[i].clone();
     Request {
         id: RequestId(i as u64),
         tenant: format!("t{}", s.tenant),
@@ -559,9 +668,9 @@ fn check_plan(
     for p in &plan.preempted {
         prop_assert!(!ids.contains(p), "preempted request still scheduled");
     }
-    let pool = s
-        .block_pool()
-        .expect("the scheduler commits to its own pool");
+    // The ledger: a detached pool gets the references of blocks shared as they are loaded
+    // with the next commit.
+    let pool = s.ledger();
     let mut uses: HashMap<BlockId, u32> = HashMap::new();
     for q in &plan.seqs {
         prop_assert!(q.num_new_tokens >= 1);
@@ -619,6 +728,7 @@ fn check_plan(
         }
         prop_assert_eq!(s.request_state(q.id), Some(RequestState::Running));
     }
+    check_shared_blocks(w, s, plan, mirrors, &uses)?;
     for (&b, &n) in &uses {
         let rc = pool.ref_count(b).unwrap_or(0);
         prop_assert!(
@@ -630,6 +740,58 @@ fn check_plan(
         );
     }
     prop_assert!(pool.num_free() + uses.len() <= pool.num_blocks());
+    Ok(())
+}
+
+/// A block in the tables of two requests of the plan (`uses` counts the tables) sits at the
+/// same position in both, holds the same tokens under the same namespace for both, and was
+/// computed before the step for both (a prefix hit or a load): no step writes a block another
+/// request reads.
+fn check_shared_blocks(
+    w: &Workload,
+    s: &Scheduler,
+    plan: &StepPlan,
+    mirrors: &HashMap<RequestId, Vec<BlockId>>,
+    uses: &HashMap<BlockId, u32>,
+) -> Result<(), TestCaseError> {
+    let mut holder: HashMap<BlockId, (RequestId, usize)> = HashMap::new();
+    for q in &plan.seqs {
+        let released = s
+            .block_table(q.id)
+            .unwrap_or(&[])
+            .iter()
+            .take_while(|&&b| b == RELEASED_BLOCK)
+            .count();
+        for (k, &b) in mirrors[&q.id].iter().enumerate().skip(released) {
+            if uses.get(&b).is_none_or(|&n| n < 2) {
+                continue;
+            }
+            prop_assert!(
+                (k + 1) * w.block_size <= q.num_computed_tokens,
+                "{:?}: block {} (device {}) is shared, {} tokens computed",
+                q.id,
+                k,
+                b,
+                q.num_computed_tokens
+            );
+            match holder.get(&b) {
+                Some(&(other, at)) => {
+                    prop_assert_eq!(at, k, "device block {} at two positions", b);
+                    prop_assert_eq!(
+                        content(w, other, k),
+                        content(w, q.id, k),
+                        "device block {} shared by {:?} and {:?} over other tokens",
+                        b,
+                        other,
+                        q.id
+                    );
+                }
+                None => {
+                    holder.insert(b, (q.id, k));
+                }
+            }
+        }
+    }
     Ok(())
 }
 
@@ -650,7 +812,7 @@ fn content(w: &Workload, id: RequestId, k: usize) -> u64 {
     use std::hash::{Hash, Hasher};
     let i = id.0 as usize;
     let r = &w.reqs[i];
-    let prompt = request(i, r).prompt;
+    let prompt = &w.prompts[i];
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (r.adapter, r.salted.then_some(r.tenant)).hash(&mut h);
     for p in 0..(k + 1) * w.block_size {
@@ -661,6 +823,35 @@ fn content(w: &Workload, id: RequestId, k: usize) -> u64 {
         t.hash(&mut h);
     }
     h.finish()
+}
+
+/// A failed step's effects on the shadow: every block its copies and its compute were to write
+/// holds nothing known (the device may have written part of it, or nothing).
+fn forget_writes(
+    shadow: &mut Shadow,
+    plan: &StepPlan,
+    mirrors: &HashMap<RequestId, Vec<BlockId>>,
+    block_size: usize,
+) {
+    for c in plan.kv_offloads.iter().chain(&plan.kv_stores) {
+        shadow.host[c.host as usize] = None;
+    }
+    for c in &plan.kv_loads {
+        shadow.device[c.device as usize] = None;
+    }
+    for q in &plan.seqs {
+        let Some(table) = mirrors.get(&q.id) else {
+            continue;
+        };
+        let end = (q.num_computed_tokens + q.num_new_tokens).div_ceil(block_size);
+        for &b in table
+            .iter()
+            .take(end)
+            .skip(q.num_computed_tokens / block_size)
+        {
+            shadow.device[b as usize] = None;
+        }
+    }
 }
 
 /// Applies `plan`'s copies to the shadow and checks them (ids in range, no block written twice,
@@ -811,14 +1002,11 @@ fn check_contents(
     Ok(())
 }
 
-/// The running set never holds more than `max_loras` distinct adapters (recounted from the
-/// requests' states, not from the scheduler's own counts), and the stats agree.
 /// A request's reported cached prompt tokens (`SeqEvent::FirstToken`): what its first
 /// admission matched (the computed tokens of its first plan entry), whole blocks, short of its
 /// last prompt token, none without prefix caching, and only what another request of its
-/// namespace (LoRA adapter and cache salt) could have computed: prompts share tokens only
-/// within a group's prefix, so at most the shorter prefix of a request of the same group,
-/// adapter and salt.
+/// namespace (LoRA adapter and cache salt) could have computed: at most the tokens its prompt
+/// shares with the prompt and the possible outputs of another request of that namespace.
 fn check_cached(
     w: &Workload,
     id: RequestId,
@@ -827,7 +1015,7 @@ fn check_cached(
 ) -> Result<(), TestCaseError> {
     let i = id.0 as usize;
     let me = &w.reqs[i];
-    let prompt = me.prefix_len + me.suffix_len;
+    let prompt = w.prompts[i].len();
     let reported = reported as usize;
     let planned = first_planned.get(&id).copied();
     prop_assert_eq!(
@@ -847,12 +1035,25 @@ fn check_cached(
         prop_assert_eq!(reported, 0);
     }
     let namespace = |r: &Spec| (r.adapter, r.salted.then_some(r.tenant));
+    let mine = &w.prompts[i];
     let shared = w
         .reqs
         .iter()
         .enumerate()
-        .filter(|&(j, r)| j != i && r.group == me.group && namespace(r) == namespace(me))
-        .map(|(_, r)| r.prefix_len.min(me.prefix_len))
+        .filter(|&(j, r)| j != i && namespace(r) == namespace(me))
+        .map(|(j, r)| {
+            let theirs = &w.prompts[j];
+            let end = (theirs.len() + r.max_tokens as usize).min(prompt);
+            (0..end)
+                .take_while(|&p| {
+                    let t = theirs
+                        .get(p)
+                        .copied()
+                        .unwrap_or_else(|| token(w, RequestId(j as u64), p));
+                    t == mine[p]
+                })
+                .count()
+        })
         .max()
         .unwrap_or(0);
     prop_assert!(
@@ -865,6 +1066,8 @@ fn check_cached(
     Ok(())
 }
 
+/// The running set never holds more than `max_loras` distinct adapters (recounted from the
+/// requests' states, not from the scheduler's own counts), and the stats agree.
 fn check_adapters(
     w: &Workload,
     s: &Scheduler,
@@ -897,7 +1100,56 @@ fn check_adapters(
 /// Runs the workload under `first`, swapping through `swaps` every `swap_every` steps; with
 /// `pipelined`, each step is planned while the previous one is in flight (launched, its
 /// outputs resolved after the next launch).
+/// Plans a step (ahead of the one in flight with `ahead`: `None` when it cannot be), committed
+/// to the scheduler's own pool or, detached, to `pool`, as the engine's allocator actor does,
+/// after which the ledger must equal the pool (unless it holds references of blocks shared as
+/// they are loaded, which reach the pool with the next commit).
+fn plan_step(
+    s: &mut Scheduler,
+    pool: Option<&mut BlockPool>,
+    now: Timestamp,
+    ahead: bool,
+) -> Result<Option<StepPlan>, TestCaseError> {
+    let fail = |e: SchedulerError| TestCaseError::fail(e.to_string());
+    let Some(pool) = pool else {
+        return Ok(if ahead {
+            s.schedule_ahead(now)
+        } else {
+            Some(s.schedule(now))
+        });
+    };
+    let mut plan = StepPlan::default();
+    let commit = if ahead {
+        match s.plan_ahead_into(now, &mut plan) {
+            Some(c) => c,
+            None => return Ok(None),
+        }
+    } else {
+        s.plan_into(now, &mut plan)
+    };
+    let mut ids = Vec::new();
+    pool.commit(&commit, &mut ids).map_err(fail)?;
+    s.assign_blocks(&mut plan, &ids).map_err(fail)?;
+    pool.check_invariants().map_err(fail)?;
+    if !s.ledger().has_uncommitted() {
+        s.ledger().check_against(pool).map_err(fail)?;
+    }
+    Ok(Some(plan))
+}
+
 fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<Ended, TestCaseError> {
+    run_with(w, first, swaps, pipelined, false)
+}
+
+/// [`run`], with the block pool detached from the scheduler when `detached` (as the engine's
+/// allocator actor holds it).
+fn run_with(
+    w: &Workload,
+    first: &str,
+    swaps: &[&str],
+    pipelined: bool,
+    detached: bool,
+) -> Result<Ended, TestCaseError> {
     let config = SchedulerConfig {
         max_num_seqs: w.max_num_seqs,
         max_num_batched_tokens: w.max_num_batched_tokens,
@@ -915,6 +1167,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         kv_offload_ahead: w.ahead,
     };
     let mut s = Scheduler::new(config, make_policy(first), [7, 9]).unwrap();
+    let mut detached_pool = if detached { s.detach_allocator() } else { None };
     let mut shadow = Shadow {
         device: vec![None; w.num_gpu_blocks],
         host: vec![None; w.host_blocks],
@@ -948,7 +1201,8 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                 let id = RequestId(i as u64);
                 // The longest sequence the cache holds alone: every block's tokens, or any
                 // length under a window whose sequences hold at most that many blocks.
-                let fits = r.prefix_len + r.suffix_len + r.max_tokens as usize
+                let len = w.prompts[i].len() + r.max_tokens as usize;
+                let fits = len
                     <= match w.window {
                         Some(win)
                             if win.blocks_held(w.block_size, w.max_num_batched_tokens)
@@ -959,7 +1213,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                         _ => w.num_gpu_blocks * w.block_size,
                     }
                     // ... and the longest its tier's KV quota holds alone.
-                    && r.prefix_len + r.suffix_len + r.max_tokens as usize
+                    && len
                         <= kv_capacity_tokens(
                             bounds_in_force(w, &tier_check)[r.tier as usize]
                                 .min(w.num_gpu_blocks),
@@ -967,7 +1221,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                             w.max_num_batched_tokens,
                             w.window,
                         );
-                match s.add_request(request(i, r)) {
+                match s.add_request(request(w, i)) {
                     Ok(()) => {
                         prop_assert!(fits);
                         admitted.insert(id, r);
@@ -1067,7 +1321,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         // is needed), resolve first and plan in order.
         let mut events = Vec::new();
         let ahead = match &in_flight {
-            Some(_) if !want_in_order => s.schedule_ahead(now),
+            Some(_) if !want_in_order => plan_step(&mut s, detached_pool.as_mut(), now, true)?,
             _ => None,
         };
         let plan = match ahead {
@@ -1076,7 +1330,10 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
                 if let Some(prev) = in_flight.take() {
                     events.extend(s.resolve(&prev, &outputs(&prev), now));
                 }
-                s.schedule(now)
+                match plan_step(&mut s, detached_pool.as_mut(), now, false)? {
+                    Some(plan) => plan,
+                    None => return Err(TestCaseError::fail("no plan in order")),
+                }
             }
         };
         want_in_order = s.take_preemption_wanted();
@@ -1128,7 +1385,30 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         s.check_invariants()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         check_adapters(w, &s, &admitted)?;
-        if pipelined {
+        let fails = !plan.seqs.is_empty() && w.fail_every.is_some_and(|k| step % k == k - 1);
+        if fails {
+            // Launched (so its blocks are registered), then it fails with the one in flight.
+            if pipelined {
+                s.launch(&plan);
+            }
+            let failed: Vec<StepPlan> = in_flight.take().into_iter().chain([plan]).collect();
+            for p in &failed {
+                forget_writes(&mut shadow, p, &mirrors, w.block_size);
+                for q in &p.seqs {
+                    if s.abort(q.id) {
+                        prop_assert!(
+                            ended.insert(q.id, FinishReason::Abort).is_none(),
+                            "{:?} ended twice",
+                            q.id
+                        );
+                    }
+                }
+            }
+            s.forget_launched();
+            s.clear_prefix_cache();
+            s.check_invariants()
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        } else if pipelined {
             s.launch(&plan);
             s.check_invariants()
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -1184,6 +1464,19 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         }
     }
     prop_assert!(!s.has_in_flight(), "a launched step was never resolved");
+    if let Some(pool) = detached_pool.as_mut() {
+        // The frees since the last plan reach the allocator with the next commit.
+        let plan = plan_step(&mut s, Some(pool), Timestamp(step * STEP_US), false)?;
+        prop_assert!(plan.is_some_and(|p| p.seqs.is_empty()));
+        s.ledger()
+            .check_against(pool)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(
+            pool.num_free(),
+            w.num_gpu_blocks,
+            "blocks leaked in the pool"
+        );
+    }
     prop_assert!(
         !s.has_unfinished(),
         "requests still live after {} steps",
@@ -1196,7 +1489,7 @@ fn run(w: &Workload, first: &str, swaps: &[&str], pipelined: bool) -> Result<End
         let out = s.output_tokens(*id).unwrap_or(&[]);
         prop_assert_eq!(out.len(), outputs_seen.get(id).copied().unwrap_or(0));
         prop_assert!(out.len() <= spec.max_tokens as usize);
-        let prompt = spec.prefix_len + spec.suffix_len;
+        let prompt = w.prompts[id.0 as usize].len();
         for (k, &t) in out.iter().enumerate() {
             prop_assert_eq!(
                 t,
@@ -1311,6 +1604,92 @@ proptest! {
         for name in variants() {
             run(&w, name, &[], false)
                 .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn continuations_hold_their_own_kv(w in with_continuations(workload())) {
+        for name in variants() {
+            run(&w, name, &[], false)
+                .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
+        }
+    }
+
+    #[test]
+    fn continuations_hold_their_own_kv_pipelined_with_swaps(
+        w in with_continuations(workload())
+    ) {
+        let names = variants();
+        for first in &names {
+            let others: Vec<&str> = names.iter().copied().filter(|n| n != first).collect();
+            run(&w, first, &others, true)
+                .map_err(|e| TestCaseError::fail(format!("policy {first} pipelined: {e}")))?;
+        }
+    }
+
+    #[test]
+    fn continuations_back_from_the_host_tier_under_preemption(
+        w in with_continuations(preempting_burst_workload())
+    ) {
+        for name in variants() {
+            run(&w, name, &[], false)
+                .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
+            run(&w, name, &[], true)
+                .map_err(|e| TestCaseError::fail(format!("policy {name} pipelined: {e}")))?;
+        }
+    }
+
+    /// The engine's way: the pool belongs to an allocator that only gets commits, so the
+    /// references of blocks shared as they are loaded reach it a commit late.
+    #[test]
+    fn a_detached_pool_equals_the_ledger_and_changes_no_output(
+        w in with_continuations(burst_workload())
+    ) {
+        for name in variants() {
+            let own = run(&w, name, &[], true)
+                .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
+            let detached = run_with(&w, name, &[], true, true)
+                .map_err(|e| TestCaseError::fail(format!("policy {name} detached: {e}")))?;
+            prop_assert_eq!(own, detached, "policy {}", name);
+            run_with(&w, name, &[], false, true).map_err(|e| {
+                TestCaseError::fail(format!("policy {name} detached, in order: {e}"))
+            })?;
+        }
+    }
+
+    #[test]
+    fn a_failed_step_leaves_nothing_another_request_reads(
+        w in with_failures(with_continuations(workload()))
+    ) {
+        for name in variants() {
+            run(&w, name, &[], false)
+                .map_err(|e| TestCaseError::fail(format!("policy {name}: {e}")))?;
+            run_with(&w, name, &[], true, true)
+                .map_err(|e| TestCaseError::fail(format!("policy {name} pipelined: {e}")))?;
+        }
+    }
+
+    #[test]
+    fn a_failed_step_loses_nothing_from_the_host_tier(
+        w in with_failures(with_continuations(burst_workload()))
+    ) {
+        for name in variants() {
+            run(&w, name, &[], true)
+                .map_err(|e| TestCaseError::fail(format!("policy {name} pipelined: {e}")))?;
+        }
+    }
+
+    #[test]
+    fn a_detached_pool_equals_the_ledger_with_aborts_and_swaps(w in workload()) {
+        let names = variants();
+        for first in &names {
+            let others: Vec<&str> = names.iter().copied().filter(|n| n != first).collect();
+            run_with(&w, first, &others, true, true)
+                .map_err(|e| TestCaseError::fail(format!("policy {first} detached: {e}")))?;
         }
     }
 }
