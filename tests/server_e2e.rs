@@ -476,6 +476,55 @@ fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
     complete(s, "Still alive?", json!({"max_tokens": 2}));
 }
 
+/// An error that quotes what the client sent (a value of the wrong type, an unknown role, a
+/// `logit_bias` key, a field path through a map's keys) is cut to a bounded size: each echoed
+/// the whole value, so that a 100 kB string came back as a 100 kB error message.
+#[test]
+fn errors_quoting_long_values_are_bounded() {
+    let s = &server();
+    let long = "x".repeat(100_000);
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "n": long}),
+            "n".to_owned(),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": long, "content": "hi"}]}),
+            "messages[0].role".to_owned(),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user, "logit_bias": {long.as_str(): 1}}),
+            "logit_bias".to_owned(),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user, "logit_bias": {long.as_str(): "high"}}),
+            format!("logit_bias.{long}"),
+        ),
+    ];
+    for (path, body, param) in cases {
+        let r = s
+            .request("POST", path, Some(&body.to_string()), &[])
+            .expect("request");
+        assert_eq!(r.status, 400, "{path}: {}", r.body);
+        assert!(r.body.len() < 2048, "{path}: {} bytes", r.body.len());
+        let v: Value = serde_json::from_str(&r.body).expect("JSON");
+        let got = v["error"]["param"].as_str().expect("param");
+        // Cut params keep their head and tail around one `…`.
+        match got.split_once('…') {
+            None => assert_eq!(got, param),
+            Some((head, tail)) => {
+                assert!(param.starts_with(head) && param.ends_with(tail), "{got}")
+            }
+        }
+    }
+    complete(s, "Still alive?", json!({"max_tokens": 2}));
+}
+
 /// A body sent in a content coding the server does not decode (`Content-Encoding: gzip`, as
 /// some HTTP clients and proxies compress request bodies) is a 415 naming the coding, with
 /// `Accept-Encoding: identity`, on every route that reads a body; it was read as JSON, so a

@@ -218,6 +218,62 @@ fn grammars_beyond_the_bounds_or_that_cannot_start_are_refused() {
     assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
 }
 
+/// A schema whose required property leads back to itself has no finite instance: it compiled,
+/// its first tokens passed, and then llguidance's parser gave up on the output it forced
+/// (`{"a": {"a": ...`), a 500 (or an error event) a few tokens in. It is a 400 before the
+/// request starts, as a response format, a vLLM schema or a tool's parameters, streamed or
+/// not; a recursive schema with a way out is still followed.
+#[test]
+fn a_schema_that_only_infinite_json_satisfies_is_refused() {
+    let s = server();
+    let endless = json!({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]});
+    let messages = json!([{"role": "user", "content": "Give an example"}]);
+    let cases = [
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 16, "response_format":
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}}),
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 16, "stream": true, "response_format":
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}}),
+            "response_format",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 16, "guided_json": endless}),
+            "guided_json",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 16, "tool_choice": "required",
+                   "tools": [{"type": "function", "function": {"name": "f", "parameters": endless}}]}),
+            "tools[0].function.parameters",
+        ),
+    ];
+    for (path, body, param) in cases {
+        let (status, v) = s.post_json(path, &body);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains("no finite instance"), "{message}");
+    }
+    let tree = json!({"type": "object", "required": ["name", "children"], "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}}});
+    let v = s.post_ok(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 12, "response_format":
+            {"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}}}),
+    );
+    assert!(
+        v["choices"][0]["message"]["content"].as_str().is_some(),
+        "{v}"
+    );
+}
+
 #[test]
 fn an_end_token_ends_a_finished_grammar_before_min_tokens() {
     let s = server();

@@ -128,6 +128,17 @@ pub struct ErrorDetail {
     pub code: Option<&'static str>,
 }
 
+/// Longest `message` an error body carries, in characters. Messages quote what the client
+/// sent (serde's "invalid type: string \"…\"", an unknown role or `logit_bias` key, ...): past
+/// this bound the middle is cut, so that an error never echoes megabytes of a request back, as
+/// a request's every size is bounded. The head (what is wrong) and the tail (serde's line and
+/// column) are kept.
+pub const MAX_MESSAGE_CHARS: usize = 1024;
+
+/// Longest `param` an error body carries, in characters: a field's path names the keys of
+/// maps the client wrote (`logit_bias.{key}`, `metadata.{key}`), cut as messages are.
+pub const MAX_PARAM_CHARS: usize = 256;
+
 const INVALID_REQUEST: &str = "invalid_request_error";
 const SERVER_ERROR: &str = "server_error";
 
@@ -293,13 +304,28 @@ impl ApiError {
         };
         ErrorBody {
             error: ErrorDetail {
-                message,
+                message: cut_middle(message, MAX_MESSAGE_CHARS),
                 kind,
-                param,
+                param: param.map(|p| cut_middle(p, MAX_PARAM_CHARS)),
                 code,
             },
         }
     }
+}
+
+/// `text` if it has at most `max` characters, else its first three quarters of `max` and its
+/// last characters around a `…`, `max` characters in all.
+fn cut_middle(text: String, max: usize) -> String {
+    let count = text.chars().count();
+    if count <= max || max == 0 {
+        return text;
+    }
+    let head = max * 3 / 4;
+    let tail = max - head - 1;
+    let mut cut: String = text.chars().take(head).collect();
+    cut.push('…');
+    cut.extend(text.chars().skip(count - tail));
+    cut
 }
 
 /// The server's own failures: 500, the detail logged rather than shown. A grammar that failed
@@ -578,6 +604,39 @@ mod tests {
             "Rate limit reached for tenant acme (tier free) on tokens per min (TPM): Limit \
              1000, Used 1000. Please try again in 2.1s."
         );
+    }
+
+    /// A message or param quoting a long value the client sent is cut in the middle to the
+    /// bounds, keeping its head and its tail; shorter ones are whole.
+    #[test]
+    fn long_messages_and_params_are_cut_in_the_middle() {
+        let value = "é".repeat(1_000_000);
+        let e = ApiError::invalid(
+            format!("logit_bias.{value}"),
+            format!("invalid type: string \"{value}\", expected u32 at line 1 column 9"),
+        );
+        let body = e.to_body().error;
+        assert_eq!(body.message.chars().count(), MAX_MESSAGE_CHARS);
+        assert!(
+            body.message.starts_with("invalid type: string \"éé"),
+            "{}",
+            body.message
+        );
+        assert!(body
+            .message
+            .ends_with("éé\", expected u32 at line 1 column 9"));
+        assert_eq!(body.message.matches('…').count(), 1);
+        let param = body.param.unwrap();
+        assert_eq!(param.chars().count(), MAX_PARAM_CHARS);
+        assert!(
+            param.starts_with("logit_bias.éé") && param.contains('…'),
+            "{param}"
+        );
+
+        let exact = "x".repeat(MAX_MESSAGE_CHARS);
+        let e = ApiError::invalid("n", exact.clone());
+        assert_eq!(e.to_body().error.message, exact);
+        assert_eq!(e.to_body().error.param.as_deref(), Some("n"));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 pub mod best_of;
 mod chat_extras;
 pub mod embeddings;
+mod finite;
 mod held;
 mod ignored;
 pub mod reasoning;

@@ -1374,10 +1374,11 @@ fn chat_role(i: usize, role: &str) -> Result<ChatRole, ApiError> {
         "assistant" => ChatRole::Assistant,
         "tool" => ChatRole::Tool,
         other => {
+            let shown: String = other.chars().take(64).collect();
             return Err(ApiError::invalid(
                 format!("messages[{i}].role"),
-                format!("role {other:?} is not supported"),
-            ))
+                format!("role {shown:?} is not supported"),
+            ));
         }
     })
 }

@@ -767,6 +767,13 @@ fn messages(
         Value::Array(items) => items.len(),
         _ => 1,
     };
+    // The input alone past the bound is the input's fault, not a continued conversation's.
+    if given > MAX_MESSAGES {
+        return Err(invalid(
+            "input",
+            format!("at most {MAX_MESSAGES} input items are allowed, got {given}"),
+        ));
+    }
     if history.len().saturating_add(given) > MAX_MESSAGES {
         return Err(invalid(
             "previous_response_id",
@@ -793,12 +800,6 @@ fn messages(
         Value::Array(items) => {
             if items.is_empty() {
                 return Err(invalid("input", "input must not be empty"));
-            }
-            if items.len() > MAX_MESSAGES {
-                return Err(invalid(
-                    "input",
-                    format!("at most {MAX_MESSAGES} input items are allowed"),
-                ));
             }
             for (i, item) in items.iter().enumerate() {
                 read_item(i, item, &mut messages, &mut sources)?;
@@ -1564,6 +1565,30 @@ mod tests {
                 assert_eq!(param.as_deref(), Some("previous_response_id"))
             }
             other => panic!("expected a 400, got {other:?}"),
+        }
+    }
+
+    /// An input with more items than the bound is refused naming `input`, with or without a
+    /// continued conversation (it named `previous_response_id`, a field the client may not
+    /// have sent).
+    #[test]
+    fn an_input_longer_than_the_bound_is_refused_naming_input() {
+        let item = json!({"role": "user", "content": "x"});
+        let input = vec![item.clone(); MAX_MESSAGES + 1];
+        for (body, history) in [
+            (json!({"input": input}), vec![]),
+            (
+                json!({"input": input, "previous_response_id": "resp_0"}),
+                vec![item],
+            ),
+        ] {
+            let request: ResponsesRequest = serde_json::from_value(body).unwrap();
+            match request.into_chat(&history) {
+                Err(ApiError::InvalidRequest { param, .. }) => {
+                    assert_eq!(param.as_deref(), Some("input"))
+                }
+                other => panic!("expected a 400, got {other:?}"),
+            }
         }
     }
 

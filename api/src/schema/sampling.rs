@@ -163,9 +163,10 @@ fn parse_logit_bias(raw: Option<HashMap<String, f32>>) -> Result<Vec<(u32, f32)>
     let mut bias = Vec::with_capacity(raw.len());
     for (key, value) in raw {
         let token: u32 = key.trim().parse().map_err(|_| {
+            let shown: String = key.chars().take(64).collect();
             ApiError::invalid(
                 "logit_bias",
-                format!("logit_bias keys must be token ids, got {key:?}"),
+                format!("logit_bias keys must be token ids, got {shown:?}"),
             )
         })?;
         if !(value.is_finite() && (-100.0..=100.0).contains(&value)) {

@@ -17,6 +17,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::finite::check_finite_schema;
 use super::limits::{MAX_STRUCTURED_BYTES, MAX_STRUCTURED_CHOICES};
 use super::strict::check_strict_schema;
 use crate::engine::StructuredOutputSpec;
@@ -291,6 +292,9 @@ fn check_bounds(param: &str, spec: &StructuredOutputSpec) -> Result<(), ApiError
                 "the specification has {bytes} bytes; at most {MAX_STRUCTURED_BYTES} are allowed"
             ),
         ));
+    }
+    if let StructuredOutputSpec::JsonSchema(schema) = spec {
+        check_finite_schema(param, schema)?;
     }
     Ok(())
 }

@@ -42,6 +42,7 @@ use std::ops::Range;
 
 use serde_json::{Map, Value};
 
+use super::finite::check_finite_schema;
 use super::held::{partial_tag, trim_space_end, MAX_HELD_SPACE};
 use super::limits::MAX_STRUCTURED_BYTES;
 use super::strict::check_strict_schema;
@@ -400,6 +401,7 @@ fn parse_tool(list_param: &str, i: usize, v: &Value) -> Result<Tool, ApiError> {
         Some(Value::Bool(true)) => check_strict_schema(&at(".function.parameters"), &parameters)?,
         Some(_) => return Err(invalid(at(".function.strict"), "strict must be a boolean")),
     }
+    check_finite_schema(&at(".function.parameters"), &parameters)?;
     Ok(Tool {
         name: name.to_owned(),
         description,
