@@ -529,9 +529,11 @@ enum Keep {
 /// What [`LoraManager::make_share_room`] does in a tenant's full share.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ShareRoom {
-    /// Only decides: refuses when every adapter of the share is in use, drops nothing.
+    /// Only decides: refuses when every adapter of the share is in use by the tenant's own
+    /// requests (or by no tenant's); moves and drops nothing.
     Check,
-    /// Drops the tenant's least recently used unused adapters until the share has room.
+    /// Makes room: moves charges to other tenants using the adapters and drops the tenant's
+    /// least recently used unused adapters ([`share_step`]) until the share has room.
     Make,
 }
 
