@@ -1152,52 +1152,13 @@ fn an_adapter_trained_on_another_base_model_is_served_with_a_warning() {
     assert_eq!(s.log().matches("names another base model").count(), 1);
 }
 
-/// A tenant's share of adapter memory (`tiers.<name>.max_cpu_loras_per_tenant`): with its one
-/// adapter in use and its share full, another adapter is refused to it with a 429
-/// `rate_limit_exceeded` (`Retry-After`), while another tenant of the tier is served its own;
-/// once its request ended, its next adapter takes its own slot (the other tenant's adapter
-/// stays in memory: not read again); a SIGHUP that raises the share lets it keep two.
-#[test]
-fn a_tenant_s_adapters_are_bounded_by_its_share_and_never_evict_another_tenant_s() {
-    const ACME: &str = "acme-key-000001";
-    const BOB: &str = "bob-key-0000001";
-    let root = adapter_copies("lora-share", &["acme-1", "acme-2", "bob-1"]);
-    let s = &Server::start_with(
-        "lora-share",
-        &format!(
-            "  api_keys:\n    - {{ key: {ACME}, tenant: acme, tier: gold }}\n    - {{ key: {BOB}, tenant: bob, tier: gold }}\n"
-        ),
-        &format!(
-            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\ntiers:\n  gold: {{ max_cpu_loras_per_tenant: 1 }}\nlora:\n  enabled: true\n  max_loras: 4\n  max_cpu_loras: 4\n  adapter_dirs: [{}]\n",
-            root.display()
-        ),
-    );
-    let loads = || {
-        s.metric("switchyard:lora_adapter_loads_total")
-            .unwrap_or(0.0)
-    };
-    let share = |what: &str| {
-        s.labelled_metric(
-            &format!("switchyard:lora_tenant_share_{what}_total"),
-            &["tier=\"gold\""],
-        )
-    };
-    let ask = |key: &str, model: &str| -> common::Response {
-        let body = json!({"model": model, "prompt": "Hi", "max_tokens": 2}).to_string();
-        let auth = format!("Bearer {key}");
-        s.request(
-            "POST",
-            "/v1/completions",
-            Some(&body),
-            &[("Authorization", auth.as_str())],
-        )
-        .expect("request")
-    };
-    // acme's one adapter in use by a long stream (its first token read).
-    let body = json!({"model": "acme-1", "prompt": "Count:", "max_tokens": 4000,
+/// Opens a long streamed completion of `model` with the API key `key` and reads its first
+/// token: the request holds its adapter until the stream is dropped (the client leaving).
+fn hold_adapter(s: &Server, key: &str, model: &str) -> std::net::TcpStream {
+    let body = json!({"model": model, "prompt": "Count:", "max_tokens": 4000,
                       "ignore_eos": true, "stream": true})
     .to_string();
-    let auth = format!("Bearer {ACME}");
+    let auth = format!("Bearer {key}");
     let mut held = s.open_with(
         "POST",
         "/v1/completions",
@@ -1212,6 +1173,114 @@ fn a_tenant_s_adapters_are_bounded_by_its_share_and_never_evict_another_tenant_s
         assert_eq!(held.read(&mut byte).expect("stream"), 1, "stream ended");
         seen.push(byte[0]);
     }
+    held
+}
+
+/// A server whose keys `acme` and `bob` are tenants of the tier `gold`, of one adapter each in
+/// memory (`max_cpu_loras_per_tenant: 1`), serving the adapters of `root`.
+fn share_server(tag: &str, root: &std::path::Path) -> Server {
+    Server::start_with(
+        tag,
+        &format!(
+            "  api_keys:\n    - {{ key: {ACME}, tenant: acme, tier: gold }}\n    - {{ key: {BOB}, tenant: bob, tier: gold }}\n"
+        ),
+        &format!(
+            "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\ntiers:\n  gold: {{ max_cpu_loras_per_tenant: 1 }}\nlora:\n  enabled: true\n  max_loras: 4\n  max_cpu_loras: 4\n  adapter_dirs: [{}]\n",
+            root.display()
+        ),
+    )
+}
+
+const ACME: &str = "acme-key-000001";
+const BOB: &str = "bob-key-0000001";
+
+/// A short completion of `model` with the API key `key`.
+fn ask_as(s: &Server, key: &str, model: &str) -> common::Response {
+    let body = json!({"model": model, "prompt": "Hi", "max_tokens": 2}).to_string();
+    let auth = format!("Bearer {key}");
+    s.request(
+        "POST",
+        "/v1/completions",
+        Some(&body),
+        &[("Authorization", auth.as_str())],
+    )
+    .expect("request")
+}
+
+/// A tenant share's counter (`evictions`, `refusals`, `transfers`) of the tier `gold`.
+fn gold_share(s: &Server, what: &str) -> f64 {
+    s.labelled_metric(
+        &format!("switchyard:lora_tenant_share_{what}_total"),
+        &["tier=\"gold\""],
+    )
+}
+
+/// Regression: a tenant whose adapter in memory was kept busy by another tenant's requests
+/// only was refused (429) every other adapter for as long as they kept it, its own requests
+/// holding nothing. The adapter's charge moves to the tenant using it (counted in
+/// `lora_tenant_share_transfers_total`), so the first is served, and the second's share
+/// bounds it: its own next adapter is refused while its request uses the first, and takes
+/// that one's place once the request ended.
+#[test]
+fn an_adapter_another_tenant_keeps_busy_never_keeps_its_loader_out_of_its_share() {
+    let root = adapter_copies("lora-share-move", &["acme-1", "acme-2", "bob-1"]);
+    let s = &share_server("lora-share-move", &root);
+    let loads = || {
+        s.metric("switchyard:lora_adapter_loads_total")
+            .unwrap_or(0.0)
+    };
+    // acme reads acme-1 (its share, one, full); bob's long stream keeps it busy.
+    assert_eq!(ask_as(s, ACME, "acme-1").status, 200);
+    let held = hold_adapter(s, BOB, "acme-1");
+    assert_eq!(loads(), 1.0);
+    // acme's own requests hold nothing: served acme-2, acme-1 now charged to bob.
+    let r = ask_as(s, ACME, "acme-2");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(loads(), 2.0);
+    assert_eq!(
+        (gold_share(s, "transfers"), gold_share(s, "refusals")),
+        (1.0, 0.0)
+    );
+    // bob's share holds acme-1, which its stream uses: bob's own adapter is refused.
+    let r = ask_as(s, BOB, "bob-1");
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!((gold_share(s, "refusals"), loads()), (1.0, 2.0));
+    // Once bob's stream ended, bob-1 takes acme-1's place in bob's share.
+    drop(held);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let r = ask_as(s, BOB, "bob-1");
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.status, 429, "{}", r.body);
+        assert!(std::time::Instant::now() < deadline, "{}", s.log());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!((gold_share(s, "evictions"), loads()), (1.0, 3.0));
+    // acme's acme-2 stayed: served without a read.
+    assert_eq!(ask_as(s, ACME, "acme-2").status, 200);
+    assert_eq!(loads(), 3.0);
+}
+
+/// A tenant's share of adapter memory (`tiers.<name>.max_cpu_loras_per_tenant`): with its one
+/// adapter in use and its share full, another adapter is refused to it with a 429
+/// `rate_limit_exceeded` (`Retry-After`), while another tenant of the tier is served its own;
+/// once its request ended, its next adapter takes its own slot (the other tenant's adapter
+/// stays in memory: not read again); a SIGHUP that raises the share lets it keep two.
+#[test]
+fn a_tenant_s_adapters_are_bounded_by_its_share_and_never_evict_another_tenant_s() {
+    let root = adapter_copies("lora-share", &["acme-1", "acme-2", "bob-1"]);
+    let s = &share_server("lora-share", &root);
+    let loads = || {
+        s.metric("switchyard:lora_adapter_loads_total")
+            .unwrap_or(0.0)
+    };
+    let share = |what: &str| gold_share(s, what);
+    let ask = |key: &str, model: &str| ask_as(s, key, model);
+    // acme's one adapter in use by a long stream (its first token read).
+    let held = hold_adapter(s, ACME, "acme-1");
     assert_eq!(share("refusals"), 0.0);
     // Its share (one) is full of adapters in use: a second is refused, and nothing read.
     let r = ask(ACME, "acme-2");

@@ -74,6 +74,9 @@ pub struct SubmitOptions {
     /// The LoRA adapter's weights, when `request.lora_adapter` names one (the id is the
     /// scheduler's and the prefix cache's; the weights go to the backend with each step).
     pub adapter: Option<Arc<LoraAdapter>>,
+    /// The request's use of its adapter, held with the weights until it ends: it tells the
+    /// LoRA manager which tenants' requests use an adapter (none offline).
+    pub adapter_user: Option<crate::actors::AdapterUser>,
     /// When the request reached the engine (before its prompt was encoded): the scheduler
     /// actor dates the request's arrival from it, so that policies age requests and set SLO
     /// deadlines from the moment the client's time to first token runs from. `None`: it
@@ -126,6 +129,7 @@ impl SubmitOptions {
             },
             sampling,
             adapter: None,
+            adapter_user: None,
             received: None,
             encoded: None,
             queued: None,
@@ -340,6 +344,8 @@ struct LiveRequest {
     sampling: Arc<SamplingParams>,
     /// LoRA adapter weights.
     adapter: Option<Arc<LoraAdapter>>,
+    /// Its use of the adapter ([`SubmitOptions::adapter_user`]), held as long as the weights.
+    _adapter_user: Option<crate::actors::AdapterUser>,
     /// When it entered the queue, on the engine clock ([`SubmitOptions::queued`]).
     queued: Timestamp,
     /// Whether it has been scheduled at least once.
@@ -459,6 +465,7 @@ impl StepCore {
             prompt: submit.request.prompt.clone(),
             sampling: submit.sampling,
             adapter: submit.adapter,
+            _adapter_user: submit.adapter_user,
             queued: submit.queued.unwrap_or(submit.request.arrival),
             started: false,
             queue_times: submit.queue_times,

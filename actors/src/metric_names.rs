@@ -116,7 +116,11 @@ pub fn register_tiers(tiers: &[(String, bool, bool)]) {
         }
         // Made, not set: a reload registers the tiers in force again.
         metrics::gauge!(KV_CACHE_BLOCKS_USED, labels.clone()).increment(0.0);
-        for c in [LORA_SHARE_EVICTIONS, LORA_SHARE_REFUSALS] {
+        for c in [
+            LORA_SHARE_EVICTIONS,
+            LORA_SHARE_REFUSALS,
+            LORA_SHARE_TRANSFERS,
+        ] {
             metrics::counter!(c, labels.clone()).increment(0);
         }
         for (target, has) in [("ttft", *ttft), ("tpot", *tpot)] {
@@ -156,7 +160,8 @@ pub fn register_at_zero() {
                 }
             }
             // By kind of specification, and per tier (`register_tiers`).
-            STRUCTURED_REQUESTS | SLO_ATTAINMENT | LORA_SHARE_EVICTIONS | LORA_SHARE_REFUSALS => {}
+            STRUCTURED_REQUESTS | SLO_ATTAINMENT | LORA_SHARE_EVICTIONS | LORA_SHARE_REFUSALS
+            | LORA_SHARE_TRANSFERS => {}
             _ => metrics::counter!(c).increment(0),
         }
     }

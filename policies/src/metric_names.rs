@@ -150,6 +150,10 @@ pub const LORA_SHARE_EVICTIONS: &str = "switchyard:lora_tenant_share_evictions_t
 /// Counter, label `tier`: requests refused (429) because their tenant's share of adapter
 /// memory (`tiers.<name>.max_cpu_loras_per_tenant`) was full of adapters in use.
 pub const LORA_SHARE_REFUSALS: &str = "switchyard:lora_tenant_share_refusals_total";
+/// Counter, label `tier`: adapters whose charge moved from a tenant whose requests did not
+/// use them to one whose requests did, to make room in the first tenant's share
+/// (`tiers.<name>.max_cpu_loras_per_tenant`; the tier is the first tenant's request's).
+pub const LORA_SHARE_TRANSFERS: &str = "switchyard:lora_tenant_share_transfers_total";
 /// Gauge: distinct LoRA adapters among the running requests.
 pub const LORA_RUNNING_ADAPTERS: &str = "switchyard:lora_running_adapters";
 /// Gauge: waiting requests that name a LoRA adapter.
@@ -277,6 +281,7 @@ pub const COUNTERS: &[&str] = &[
     LORA_LOADS,
     LORA_SHARE_EVICTIONS,
     LORA_SHARE_REFUSALS,
+    LORA_SHARE_TRANSFERS,
     STRUCTURED_REQUESTS,
     STRUCTURED_FAILURES,
     SPEC_DECODE_DRAFTS,

@@ -1347,7 +1347,7 @@ impl<'a> Loop<'a> {
         if let Some(held) = self.holds_adapter.get_mut(i).filter(|h| **h) {
             *held = false;
             if let (Some(m), Some(a)) = (self.memory.as_mut(), self.requests[i].adapter) {
-                m.release(a);
+                m.release(a, &self.requests[i].tenant);
             }
         }
         if let Some(held) = self.holds_seat.get_mut(i).filter(|h| **h) {

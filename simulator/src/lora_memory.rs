@@ -29,6 +29,17 @@
 //! never loaded, are no tenant's. A tenant is its name, whatever its tier; each load uses its request's tier's
 //! share (a load in a tier without one is charged all the same).
 //!
+//! The charge follows use when the share needs room, as the server's `share_step` moves it:
+//! an adapter charged to the tenant that none of its requests holds but other tenants'
+//! requests do is charged to the one of those with the most room in its share (the share of
+//! its latest request's tier; a tier without one: all the room; ties: the lowest tenant id),
+//! when that one has room, before any of the tenant's adapters is dropped; with none unused
+//! to drop, such an adapter's charge moves all the same, its user then beyond its share
+//! (refused while its requests use all of its adapters; its unused adapters dropped at its
+//! next load). A refusal is left only for a share whose adapters the tenant's own requests
+//! use. The eviction for `max_cpu_loras` drops the unused adapters of tenants beyond their
+//! share first, then the least recently used.
+//!
 //! At the start only the pinned adapters are in memory (the server loads them as it
 //! registers them); every other adapter is loaded on its first request, as the server loads
 //! one found in `lora.adapter_dirs`, or one of `lora.adapters` evicted at start (charged to
@@ -71,7 +82,7 @@ pub struct MemoryConfig {
 
 /// The tenant a load is charged to (its id in [`LoraMemory`]'s table) and the share of its
 /// request's tier (`None`: unbounded; the load is charged all the same, as on the server).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Charge {
     tenant: u32,
     share: Option<usize>,
@@ -109,6 +120,9 @@ struct Load {
 enum ShareRoom {
     /// The share has room (or there is no share).
     Room,
+    /// The share is full; this adapter's charge moves to the tenant given (one whose requests
+    /// use it, and none of the charged tenant's).
+    Move(u32, Charge),
     /// The share is full; this adapter of the tenant's, the least recently used that no
     /// request holds, would go.
     Drop(u32),
@@ -145,6 +159,9 @@ pub struct MemoryCounters {
     pub share_evictions: u64,
     /// Requests refused because their tenant's share was full of adapters in use.
     pub share_refusals: u64,
+    /// Adapters whose charge moved to a tenant whose requests used them, to make room in the
+    /// share of the tenant charged (whose requests did not).
+    pub share_transfers: u64,
 }
 
 /// The adapters in memory and the manager's thread.
@@ -155,8 +172,12 @@ pub struct LoraMemory {
     resident: BTreeMap<u32, u64>,
     /// Requests holding each adapter (entries go with their last request).
     in_use: BTreeMap<u32, u32>,
-    /// The tenant each adapter in memory is charged to (pinned ones are no tenant's).
-    owner: BTreeMap<u32, u32>,
+    /// Per adapter and tenant, the requests of the tenant holding it, with the tenant's
+    /// share as its latest request's tier gave it (entries go with their last request).
+    users: BTreeMap<(u32, u32), (u32, Option<usize>)>,
+    /// The tenant each adapter in memory is charged to, with the share of the tier it was
+    /// charged under (pinned ones are no tenant's).
+    owner: BTreeMap<u32, Charge>,
     /// Tenants' ids, by name.
     tenants: BTreeMap<String, u32>,
     /// The registry's clock.
@@ -186,6 +207,7 @@ impl LoraMemory {
             config,
             resident,
             in_use: BTreeMap::new(),
+            users: BTreeMap::new(),
             owner: BTreeMap::new(),
             tenants: BTreeMap::new(),
             clock,
@@ -234,18 +256,18 @@ impl LoraMemory {
         (tenant, share): (&str, Option<usize>),
         out: &mut Answers,
     ) -> bool {
-        if self.resident.contains_key(&adapter) {
-            self.take(adapter);
-            if std::mem::take(&mut self.over_limit) {
-                self.send(now, Message::Evict, out);
-            }
-            return true;
-        }
         let next = self.tenants.len() as u32;
         let charge = Charge {
             tenant: *self.tenants.entry(tenant.to_owned()).or_insert(next),
             share,
         };
+        if self.resident.contains_key(&adapter) {
+            self.take(adapter, charge);
+            if std::mem::take(&mut self.over_limit) {
+                self.send(now, Message::Evict, out);
+            }
+            return true;
+        }
         self.send(
             now,
             Message::Resolve {
@@ -258,12 +280,21 @@ impl LoraMemory {
         false
     }
 
-    /// A request holding `adapter` ended.
-    pub fn release(&mut self, adapter: u32) {
+    /// A request of `tenant` holding `adapter` ended.
+    pub fn release(&mut self, adapter: u32, tenant: &str) {
         if let Some(n) = self.in_use.get_mut(&adapter) {
             *n -= 1;
             if *n == 0 {
                 self.in_use.remove(&adapter);
+            }
+        }
+        let Some(&t) = self.tenants.get(tenant) else {
+            return;
+        };
+        if let Some((n, _)) = self.users.get_mut(&(adapter, t)) {
+            *n -= 1;
+            if *n == 0 {
+                self.users.remove(&(adapter, t));
             }
         }
     }
@@ -287,10 +318,8 @@ impl LoraMemory {
             self.counters.share_refusals += 1;
             out.refused.push((load.end, load.req));
         } else {
-            self.clock += 1;
-            self.resident.insert(load.adapter, self.clock);
-            self.owner.insert(load.adapter, load.charge.tenant);
-            *self.in_use.entry(load.adapter).or_default() += 1;
+            self.owner.insert(load.adapter, load.charge);
+            self.take(load.adapter, load.charge);
             out.served.push((load.end, load.req));
         }
         self.evict();
@@ -315,8 +344,12 @@ impl LoraMemory {
             let at = now.max(sent);
             match msg {
                 Message::Evict => self.evict(),
-                Message::Resolve { adapter, req, .. } if self.resident.contains_key(&adapter) => {
-                    self.take(adapter);
+                Message::Resolve {
+                    adapter,
+                    req,
+                    charge,
+                } if self.resident.contains_key(&adapter) => {
+                    self.take(adapter, charge);
                     self.evict();
                     out.served.push((at, req));
                 }
@@ -344,41 +377,93 @@ impl LoraMemory {
         }
     }
 
-    /// A request takes `adapter` from memory, marking it used.
-    fn take(&mut self, adapter: u32) {
+    /// A request of `charge`'s tenant takes `adapter` from memory, marking it used.
+    fn take(&mut self, adapter: u32, charge: Charge) {
         self.clock += 1;
         self.resident.insert(adapter, self.clock);
         *self.in_use.entry(adapter).or_default() += 1;
+        let user = self.users.entry((adapter, charge.tenant)).or_default();
+        *user = (user.0 + 1, charge.share);
+    }
+
+    /// The adapters charged to `tenant`.
+    fn charged(&self, tenant: u32) -> usize {
+        self.owner.values().filter(|o| o.tenant == tenant).count()
     }
 
     /// Where `charge`'s tenant's share stands: the adapters in memory charged to it against
-    /// its share (pinned adapters, never loaded, are no tenant's).
+    /// its share (pinned adapters, never loaded, are no tenant's), and what makes room next
+    /// (the server's `share_step`).
     fn share_room(&self, charge: Charge) -> ShareRoom {
         let Some(share) = charge.share else {
             return ShareRoom::Room;
         };
-        let theirs = self
+        let theirs: Vec<u32> = self
             .owner
             .iter()
-            .filter(|(_, t)| **t == charge.tenant)
-            .map(|(a, _)| *a);
-        if theirs.clone().count() < share {
+            .filter(|(_, o)| o.tenant == charge.tenant)
+            .map(|(a, _)| *a)
+            .collect();
+        if theirs.len() < share {
             return ShareRoom::Room;
         }
-        theirs
+        let used = |a: &u32| self.resident.get(a).copied().unwrap_or(0);
+        // Per adapter only other tenants' requests use: the user with the most room, and it.
+        let movable: Vec<(i64, u64, u32, Charge)> = theirs
+            .iter()
+            .filter_map(|&a| {
+                let users: Vec<Charge> = self
+                    .users
+                    .range((a, 0)..=(a, u32::MAX))
+                    .map(|(&(_, tenant), &(_, share))| Charge { tenant, share })
+                    .collect();
+                if users.iter().any(|u| u.tenant == charge.tenant) {
+                    return None;
+                }
+                let room = |u: &Charge| match u.share {
+                    Some(s) => s as i64 - self.charged(u.tenant) as i64,
+                    None => i64::MAX,
+                };
+                let (room, to) = users
+                    .into_iter()
+                    .map(|u| (room(&u), u))
+                    .min_by_key(|(room, u)| (std::cmp::Reverse(*room), u.tenant))?;
+                Some((room, used(&a), a, to))
+            })
+            .collect();
+        if let Some(&(_, _, a, to)) = movable
+            .iter()
+            .filter(|(room, ..)| *room > 0)
+            .min_by_key(|(_, used, ..)| *used)
+        {
+            return ShareRoom::Move(a, to);
+        }
+        if let Some(a) = theirs
+            .iter()
             .filter(|a| !self.in_use.contains_key(a))
-            .min_by_key(|a| self.resident.get(a).copied().unwrap_or(0))
-            .map_or(ShareRoom::Full, ShareRoom::Drop)
+            .min_by_key(|a| used(a))
+        {
+            return ShareRoom::Drop(*a);
+        }
+        movable
+            .into_iter()
+            .min_by_key(|(room, used, ..)| (std::cmp::Reverse(*room), *used))
+            .map_or(ShareRoom::Full, |(_, _, a, to)| ShareRoom::Move(a, to))
     }
 
-    /// Drops `charge`'s tenant's least recently used adapters that no request holds until
-    /// its share has room for one more; `false` (the request refused) when every one left
-    /// is in use.
+    /// Makes room in `charge`'s tenant's share for one more adapter, as [`Self::share_room`]
+    /// says, step by step: charges moved to other tenants using adapters, the tenant's least
+    /// recently used adapters that no request holds dropped; `false` (the request refused)
+    /// when every one left is in use by the tenant's own requests.
     fn make_share_room(&mut self, charge: Charge) -> bool {
         loop {
             match self.share_room(charge) {
                 ShareRoom::Room => return true,
                 ShareRoom::Full => return false,
+                ShareRoom::Move(adapter, to) => {
+                    self.owner.insert(adapter, to);
+                    self.counters.share_transfers += 1;
+                }
                 ShareRoom::Drop(victim) => {
                     self.resident.remove(&victim);
                     self.owner.remove(&victim);
@@ -390,14 +475,20 @@ impl LoraMemory {
     }
 
     /// Drops the least recently used adapters that no request holds and that are not pinned
-    /// while more than `max_cpu_loras` are in memory.
+    /// while more than `max_cpu_loras` are in memory, those of tenants charged beyond their
+    /// share (the share of the tier each adapter was charged under) first.
     fn evict(&mut self) {
         while self.resident.len() > self.config.max_cpu_loras {
+            let beyond = |a: &u32| {
+                self.owner
+                    .get(a)
+                    .is_some_and(|o| o.share.is_some_and(|s| self.charged(o.tenant) > s))
+            };
             let victim = self
                 .resident
                 .iter()
                 .filter(|(a, _)| !self.in_use.contains_key(a) && !self.config.pinned.contains(a))
-                .min_by_key(|(_, used)| **used)
+                .min_by_key(|(a, used)| (!beyond(a), **used))
                 .map(|(a, _)| *a);
             let Some(victim) = victim else { break };
             self.resident.remove(&victim);
@@ -465,11 +556,11 @@ mod tests {
         for (t, a) in [(0, 1), (LOAD, 2)] {
             assert_eq!(ask(&mut m, t, a, a as usize), (false, vec![]));
             assert_eq!(run_to(&mut m, t + LOAD), vec![(t + LOAD, a as usize)]);
-            m.release(a);
+            m.release(a, "");
         }
         // 1 used again, after 2: 2 is the least recently used.
         assert_eq!(ask(&mut m, 3 * LOAD, 1, 10), (true, vec![]));
-        m.release(1);
+        m.release(1, "");
         assert!(!ask(&mut m, 3 * LOAD, 3, 11).0);
         assert_eq!(run_to(&mut m, 4 * LOAD), vec![(4 * LOAD, 11)]);
         assert_eq!(m.resident(), vec![1, 3]);
@@ -488,13 +579,13 @@ mod tests {
         let mut m = memory(2, &[7]);
         assert_eq!(m.resident(), vec![7]);
         assert_eq!(ask(&mut m, 0, 7, 0), (true, vec![]));
-        m.release(7);
+        m.release(7, "");
         // 7 is the least recently used each time, yet 1 and then 2 go.
         for (i, a) in [1u32, 2, 3].into_iter().enumerate() {
             let t = i as u64 * LOAD;
             assert!(!ask(&mut m, t, a, a as usize).0);
             assert_eq!(run_to(&mut m, t + LOAD), vec![(t + LOAD, a as usize)]);
-            m.release(a);
+            m.release(a, "");
         }
         assert_eq!(m.resident(), vec![3, 7]);
         assert_eq!(m.counters().evictions, 2);
@@ -509,7 +600,7 @@ mod tests {
         run_to(&mut m, 2 * LOAD);
         // Both held: both stay, over the limit.
         assert_eq!(m.resident(), vec![1, 2]);
-        m.release(1);
+        m.release(1, "");
         // The next request served from memory sends the manager an eviction.
         assert_eq!(ask(&mut m, 2 * LOAD, 2, 2), (true, vec![]));
         assert_eq!(m.resident(), vec![2]);
@@ -564,10 +655,10 @@ mod tests {
             let t = t as u64 * LOAD;
             assert!(!ask_as(&mut m, t, adapter, adapter as usize, tenant).0);
             assert_eq!(run_to(&mut m, t + LOAD), vec![(t + LOAD, adapter as usize)]);
-            m.release(adapter);
+            m.release(adapter, tenant.0);
         }
         assert!(ask_as(&mut m, 3 * LOAD, 1, 20, a).0);
-        m.release(1);
+        m.release(1, "a");
         // a's share is full: its own least recently used (2) goes, once 3 has been read,
         // though memory has room and b's 10 is older.
         assert!(!ask_as(&mut m, 3 * LOAD, 3, 21, a).0);
@@ -580,7 +671,8 @@ mod tests {
                 loads: 4,
                 evictions: 1,
                 share_evictions: 1,
-                share_refusals: 0
+                share_refusals: 0,
+                share_transfers: 0,
             }
         );
         // In a tier without a share, a's load drops nothing, yet is charged to a: its next
@@ -589,7 +681,7 @@ mod tests {
         assert!(!ask_as(&mut m, 4 * LOAD, 4, 22, ("a", None)).0);
         run_to(&mut m, 5 * LOAD);
         assert_eq!(m.resident(), vec![1, 3, 4, 10]);
-        m.release(4);
+        m.release(4, "a");
         assert!(!ask_as(&mut m, 5 * LOAD, 5, 23, a).0);
         run_to(&mut m, 6 * LOAD);
         assert_eq!(m.resident(), vec![3, 5, 10]);
@@ -621,7 +713,7 @@ mod tests {
             (vec![(3 * LOAD, 4)], vec![(3 * LOAD, 5)])
         );
         // Once 1 is released, a's load drops it from its share.
-        m.release(1);
+        m.release(1, "a");
         assert!(!ask_as(&mut m, 3 * LOAD, 5, 6, a).0);
         assert_eq!(run_to(&mut m, 4 * LOAD), vec![(4 * LOAD, 6)]);
         assert_eq!(m.resident(), vec![2, 3, 5]);
@@ -631,7 +723,8 @@ mod tests {
                 loads: 4,
                 evictions: 1,
                 share_evictions: 1,
-                share_refusals: 2
+                share_refusals: 2,
+                share_transfers: 0,
             }
         );
     }
@@ -642,19 +735,101 @@ mod tests {
         let a = ("a", Some(1));
         assert!(!ask_as(&mut m, 0, 1, 0, a).0);
         run_to(&mut m, LOAD);
-        m.release(1);
+        m.release(1, "a");
         // 1 is unused when the message is handled: 2 is read...
         assert!(!ask_as(&mut m, LOAD, 2, 1, a).0);
         assert_eq!(m.next_event(), Some(2 * LOAD));
-        // ...but a request takes 1 from memory meanwhile: nothing of a's can go, so the
-        // request is refused once the read ends, and 2 is not kept.
-        assert!(ask_as(&mut m, LOAD + 1, 1, 2, ("b", Some(1))).0);
+        // ...but a's own request takes 1 from memory meanwhile: nothing of a's can go, so
+        // the request is refused once the read ends, and 2 is not kept.
+        assert!(ask_as(&mut m, LOAD + 1, 1, 2, a).0);
         let out = answers_to(&mut m, 2 * LOAD);
         assert_eq!((out.served, out.refused), (vec![], vec![(2 * LOAD, 1)]));
         assert_eq!(m.resident(), vec![1]);
         assert_eq!(m.counters().loads, 2);
         assert_eq!(m.counters().share_refusals, 1);
         assert_eq!(m.counters().evictions, 0);
+        // Taken meanwhile by another tenant's request only, 1 is charged to that tenant
+        // once the read ends, and a's request is served.
+        m.release(1, "a");
+        assert!(!ask_as(&mut m, 2 * LOAD, 2, 3, a).0);
+        assert!(ask_as(&mut m, 2 * LOAD + 1, 1, 4, ("b", Some(1))).0);
+        let out = answers_to(&mut m, 3 * LOAD);
+        assert_eq!((out.served, out.refused), (vec![(3 * LOAD, 3)], vec![]));
+        assert_eq!(m.resident(), vec![1, 2]);
+        assert_eq!(m.owner[&1].tenant, m.tenants["b"]);
+        assert_eq!(m.counters().share_transfers, 1);
+    }
+
+    /// Regression: a tenant whose charged adapters were all in use only by other tenants'
+    /// requests was refused for as long as they used them; the charge now moves to a user
+    /// with room in its share, and the user's share bounds it from then on.
+    #[test]
+    fn an_adapter_only_other_tenants_use_is_charged_to_them_and_never_keeps_its_loader_out() {
+        let mut m = memory(8, &[]);
+        let (a, b) = (("a", Some(1)), ("b", Some(1)));
+        assert!(!ask_as(&mut m, 0, 1, 0, a).0);
+        run_to(&mut m, LOAD);
+        m.release(1, "a");
+        // b keeps 1 busy; a's requests hold nothing: a's next load is served, 1 is b's.
+        assert!(ask_as(&mut m, LOAD, 1, 1, b).0);
+        assert!(!ask_as(&mut m, LOAD, 2, 2, a).0);
+        assert_eq!(run_to(&mut m, 2 * LOAD), vec![(2 * LOAD, 2)]);
+        assert_eq!(m.owner[&1].tenant, m.tenants["b"]);
+        // b's share holds 1, which its request uses: b's own next load is refused.
+        let (_, out) = ask_as(&mut m, 2 * LOAD, 3, 3, b);
+        assert_eq!(out.refused, vec![(2 * LOAD, 3)]);
+        // One a's own request uses stays a's: a is refused while it holds 2, though b
+        // uses 2 too.
+        assert!(ask_as(&mut m, 2 * LOAD, 2, 4, b).0);
+        let (_, out) = ask_as(&mut m, 2 * LOAD, 4, 5, a);
+        assert_eq!(out.refused, vec![(2 * LOAD, 5)]);
+        assert_eq!(
+            m.counters(),
+            MemoryCounters {
+                loads: 2,
+                evictions: 0,
+                share_evictions: 0,
+                share_refusals: 2,
+                share_transfers: 1,
+            }
+        );
+    }
+
+    /// With its own share full of adapters in use, a tenant keeping another's adapter busy is
+    /// charged for it beyond its share (it cannot keep the other out so); once released, its
+    /// adapters beyond its share are the first dropped from full memory.
+    #[test]
+    fn a_tenant_keeping_another_s_adapter_busy_is_charged_beyond_its_share() {
+        let mut m = memory(3, &[]);
+        let (a, b, c) = (("a", Some(1)), ("b", Some(1)), ("c", Some(1)));
+        for (t, (adapter, tenant)) in [(30, c), (20, b), (1, a)].into_iter().enumerate() {
+            let t = t as u64 * LOAD;
+            assert!(!ask_as(&mut m, t, adapter, adapter as usize, tenant).0);
+            run_to(&mut m, t + LOAD);
+        }
+        m.release(30, "c");
+        m.release(1, "a");
+        // b holds its 20 and a's 1; a holds nothing: a's load of 2 is served, 1 goes to b
+        // beyond its share, and c's unused 30 makes way (memory holds 3).
+        assert!(ask_as(&mut m, 3 * LOAD, 1, 10, b).0);
+        assert!(!ask_as(&mut m, 3 * LOAD, 2, 11, a).0);
+        assert_eq!(run_to(&mut m, 4 * LOAD), vec![(4 * LOAD, 11)]);
+        assert_eq!(m.resident(), vec![1, 2, 20]);
+        assert_eq!(m.charged(m.tenants["b"]), 2);
+        // b's own loads are refused while its requests use both.
+        let (_, out) = ask_as(&mut m, 4 * LOAD, 3, 12, b);
+        assert_eq!(out.refused, vec![(4 * LOAD, 12)]);
+        // Released, 1 used last: c reads 30 back, and b's 1, beyond b's share, goes before
+        // a's older 2.
+        m.release(1, "b");
+        m.release(2, "a");
+        assert!(ask_as(&mut m, 4 * LOAD, 1, 13, b).0);
+        m.release(1, "b");
+        assert!(!ask_as(&mut m, 4 * LOAD, 30, 14, c).0);
+        run_to(&mut m, 5 * LOAD);
+        assert_eq!(m.resident(), vec![2, 20, 30]);
+        assert_eq!(m.charged(m.tenants["b"]), 1);
+        assert_eq!(m.counters().share_transfers, 1);
     }
 
     /// An operation of the property test.
@@ -692,13 +867,18 @@ mod tests {
             let mut now = 0;
             let mut next_req = 0;
             let mut asked: BTreeMap<usize, u32> = BTreeMap::new();
-            let mut holding: Vec<(usize, u32)> = Vec::new();
+            let mut holding: Vec<(usize, u32, usize)> = Vec::new();
+            // Adapters whose charge came by a move (not their tenant's own load), and the
+            // (adapter, tenant) pairs whose requests took the adapter while in memory.
+            let mut moved: BTreeSet<u32> = BTreeSet::new();
+            let mut took: BTreeSet<(u32, u32)> = BTreeSet::new();
             let mut answered = BTreeSet::new();
             let mut tenant_of: BTreeMap<usize, usize> = BTreeMap::new();
             let mut refusals = 0;
             let mut out = Answers::default();
             for op in ops {
                 out.clear();
+                let before = m.owner.clone();
                 match op {
                     Op::Ask(a, t) => {
                         asked.insert(next_req, a);
@@ -709,8 +889,8 @@ mod tests {
                         next_req += 1;
                     }
                     Op::Release(k) if !holding.is_empty() => {
-                        let (_, a) = holding.remove(k % holding.len());
-                        m.release(a);
+                        let (_, a, t) = holding.remove(k % holding.len());
+                        m.release(a, names[t]);
                     }
                     Op::Release(_) => {}
                     Op::Wait(dt) => {
@@ -720,18 +900,55 @@ mod tests {
                 }
                 for &(at, req) in &out.served {
                     prop_assert!(at <= now && answered.insert(req));
-                    holding.push((req, asked[&req]));
+                    let (a, t) = (asked[&req], tenant_of[&req]);
+                    holding.push((req, a, t));
+                    took.insert((a, m.tenants[names[t]]));
                 }
+                took.retain(|(a, _)| m.is_resident(*a));
+                for (a, o) in &m.owner {
+                    match before.get(a) {
+                        None => {
+                            moved.remove(a);
+                        }
+                        Some(p) if p.tenant != o.tenant => {
+                            moved.insert(*a);
+                        }
+                        Some(_) => {}
+                    }
+                    // A charge lands only on a tenant whose requests took the adapter.
+                    prop_assert!(took.contains(&(*a, o.tenant)), "{a} charged to {o:?}");
+                }
+                moved.retain(|a| m.owner.contains_key(a));
+                let id = |t: usize| m.tenants.get(names[t]).copied();
+                let charged_to = |t: usize| {
+                    m.owner
+                        .iter()
+                        .filter(|(_, o)| Some(o.tenant) == id(t))
+                        .map(|(a, _)| *a)
+                        .collect::<Vec<u32>>()
+                };
                 for &(at, req) in &out.refused {
                     prop_assert!(at <= now && answered.insert(req));
-                    prop_assert!(shares[tenant_of[&req]].is_some());
+                    let t = tenant_of[&req];
+                    let share = shares[t];
+                    prop_assert!(share.is_some());
+                    // Refused only with a share full of adapters its own requests hold.
+                    let theirs = charged_to(t);
+                    prop_assert!(theirs.len() >= share.unwrap_or(0), "t{t}: {theirs:?}");
+                    for a in theirs {
+                        prop_assert!(
+                            holding.iter().any(|h| h.1 == a && h.2 == t),
+                            "t{t} refused, its {a} held by none of its requests"
+                        );
+                    }
                     refusals += 1;
                 }
                 prop_assert_eq!(m.counters().share_refusals, refusals);
                 for (t, share) in shares.iter().enumerate() {
-                    let Some(&id) = m.tenants.get(names[t]) else { continue };
-                    let charged = m.owner.values().filter(|&&o| o == id).count();
-                    prop_assert!(charged <= share.unwrap_or(usize::MAX), "t{t}: {charged}");
+                    // A tenant's own loads stay within its share; it is charged beyond it
+                    // only for adapters whose charge moved to it.
+                    let own = charged_to(t).iter().filter(|a| !moved.contains(a)).count();
+                    prop_assert!(own <= share.unwrap_or(usize::MAX), "t{t}: {own}");
                 }
                 prop_assert!(m.owner.keys().all(|a| m.is_resident(*a)));
                 let held: BTreeSet<u32> = holding.iter().map(|h| h.1).collect();

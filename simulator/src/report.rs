@@ -387,6 +387,10 @@ pub struct LoraMemorySummary {
     /// full of adapters in use.
     #[serde(default)]
     pub share_refusals: u64,
+    /// Adapters whose charge moved to a tenant whose requests used them, to make room in the
+    /// share of the tenant charged (0 in a summary written before charges moved).
+    #[serde(default)]
+    pub share_transfers: u64,
     /// Requests that named an adapter, left the front end and got it (those refused by
     /// their tenant's share aside).
     pub adapter_requests: u64,
@@ -422,6 +426,7 @@ impl LoraMemorySummary {
             evictions: counters.evictions,
             share_evictions: counters.share_evictions,
             share_refusals: counters.share_refusals,
+            share_transfers: counters.share_transfers,
             adapter_requests: waits.len() as u64,
             waited: waited.len() as u64,
             wait_ms: LatencyStats::from_values(&mut waited),
@@ -861,7 +866,7 @@ impl Comparison {
                 s,
                 "{}: LoRA memory (max_cpu_loras {}, {} pinned, {} ms a load from {}): {} loads, {} \
                  evictions ({} to make room in a tenant's share), {} requests refused by a \
-                 tenant's full share; {} of {} adapter requests waited for a load (wait p50 {} p99 {}); \
+                 tenant's full share, {} charges moved to a tenant using the adapter; {} of {} adapter requests waited for a load (wait p50 {} p99 {}); \
                  ttft p50/p99 pinned {}/{}, not pinned {}/{}",
                 p.policy,
                 m.max_cpu_loras,
@@ -872,6 +877,7 @@ impl Comparison {
                 m.evictions,
                 m.share_evictions,
                 m.share_refusals,
+                m.share_transfers,
                 m.waited,
                 m.adapter_requests,
                 fmt_ms(m.wait_ms.p50, 1),

@@ -10,7 +10,7 @@ use actix::{Actor, Addr, SyncArbiter};
 use switchyard_gpu::backend::{Backend, SamplingParams};
 use switchyard_gpu::model::content_escape::{ContentEscaper, NoEscaper};
 use switchyard_gpu::model::{ChatEnding, ChatMessage, ChatTemplate, Tokenizer};
-use switchyard_gpu::{Constraint, GpuError, LoraAdapter};
+use switchyard_gpu::{Constraint, GpuError};
 use switchyard_policies::{
     FinishReason, Policy, Request, RequestId, SamplingLimits, SchedulerConfig, SchedulerStats,
     SloTargets,
@@ -26,7 +26,8 @@ use super::detokenizer::{
 use super::executor::ExecutorActor;
 use super::lora::{
     AdapterInfo, Charge, LoraError, LoraHandle, LoraManager, LoraManagerConfig,
-    Register as RegisterAdapter, Replace as ReplaceAdapter, SetPinned, Unregister,
+    Register as RegisterAdapter, Replace as ReplaceAdapter, Resolved as ResolvedAdapter, SetPinned,
+    Unregister,
 };
 use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, SetTiers, SwapPolicy};
 use super::tokenizer::{Constrain, Decode, Encode, EncodeBadWords, TokenizerActor};
@@ -334,11 +335,12 @@ impl Metering {
 }
 
 /// What a request's submission resolved before admission: its prompt tokens, its adapter
-/// (prefix-cache id and weights) and one structured-output constraint per choice.
+/// (prefix-cache id, weights and the request's use of them) and one structured-output
+/// constraint per choice.
 struct Resolved {
     prompt: Vec<u32>,
     opens_thinking: bool,
-    adapter: Option<(u32, Arc<LoraAdapter>)>,
+    adapter: Option<ResolvedAdapter>,
     constraints: Vec<Constraint>,
     /// When the prompt was encoded (the request's queue time runs from then).
     encoded: Instant,
@@ -1043,7 +1045,7 @@ impl Engine {
         &self,
         options: RequestOptions,
         (prompt, opens_thinking): (Arc<[u32]>, bool),
-        adapter: Option<(u32, Arc<LoraAdapter>)>,
+        adapter: Option<ResolvedAdapter>,
         constraints: Vec<Constraint>,
         (sink, guard): (Box<dyn OutputSink>, InFlight),
         (arrival, encoded): (Instant, Instant),
@@ -1076,7 +1078,7 @@ impl Engine {
                     tenant: options.tenant.clone(),
                     tier: options.tier.clone(),
                     priority: options.priority,
-                    lora_adapter: adapter.as_ref().map(|(id, _)| *id),
+                    lora_adapter: adapter.as_ref().map(|a| a.id),
                     arrival: switchyard_policies::Timestamp(0),
                     slo: slo.clone(),
                     prompt: prompt.clone(),
@@ -1102,7 +1104,8 @@ impl Engine {
                     },
                 },
                 sampling: Arc::new(sampling),
-                adapter: adapter.as_ref().map(|(_, a)| a.clone()),
+                adapter: adapter.as_ref().map(|a| a.adapter.clone()),
+                adapter_user: adapter.as_ref().and_then(|a| a.user.clone()),
                 received: Some(arrival),
                 encoded: Some(encoded),
                 // Stamped by the scheduler when it queues the request.
@@ -1164,7 +1167,7 @@ impl Engine {
         &self,
         name: &str,
         options: &RequestOptions,
-    ) -> Result<(u32, Arc<LoraAdapter>), SubmitError> {
+    ) -> Result<ResolvedAdapter, SubmitError> {
         let lora = self.lora.as_ref().ok_or(LoraError::Disabled);
         let lora = lora.map_err(lora_submit_error)?;
         let charge = Charge {

@@ -52,10 +52,15 @@
 //! share drops the tenant's own least recently used one that no request holds once the new
 //! one has loaded (so a load that fails drops nothing; chosen and dropped under one write
 //! lock, as every eviction), and is refused before any read ([`LoraError::TenantShare`], a
-//! 429) when every one is in use. So a tenant naming many
+//! 429) when every one is in use by the tenant's own requests. An adapter of the tenant's
+//! that only other tenants' requests use (each request holds an [`AdapterUser`] mark beside
+//! the weights) is not held against it: its charge moves to one of those tenants (one with room
+//! in its share before any of the tenant's own adapters is dropped; with nothing to drop, one
+//! beyond its share, whose own loads then make room), so no tenant keeps another out by keeping
+//! the other's adapters busy ([`share_step`]). So a tenant naming many
 //! adapters recycles its own slots once its share is full and displaces at most its share of
 //! the other tenants' adapters; an adapter in memory still serves every tenant, whoever it is
-//! charged to.
+//! charged to, until the tenant charged needs its slot.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -63,7 +68,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use switchyard_gpu::model::LlamaConfig;
 use switchyard_gpu::{GpuError, LoraAdapter, LoraLimits};
 
@@ -196,10 +201,10 @@ pub enum LoraError {
     #[error("LoRA adapters are not enabled on this server (lora.enabled)")]
     Disabled,
     /// The request's tenant is charged for as many adapters in memory as its tier's share
-    /// allows, all in use, and its adapter is not in memory.
+    /// allows, all in use by its own requests, and its adapter is not in memory.
     #[error(
         "your LoRA adapters fill your share of adapter memory (tiers.{tier}.max_cpu_loras_per_tenant: \
-         {limit}) and all are in use; retry when a request using one of them ends"
+         {limit}) and all are in use by your requests; retry when one of those requests ends"
     )]
     TenantShare {
         /// The request's tier.
@@ -227,9 +232,80 @@ struct Resident {
     /// When a request last resolved it (the registry's clock), for least-recently-used
     /// eviction; readers update it under the read lock.
     last_used: AtomicU64,
-    /// The tenant whose request read it into memory (its share, `Charge`); `None`: an
-    /// operator's registration or replacement.
-    owner: Option<Arc<str>>,
+    /// The tenant charged for it (its share, `Charge`): the one whose request read it into
+    /// memory, or one whose requests use it when the charge moved
+    /// ([`LoraManager::make_share_room`]); `None`: an operator's registration or replacement.
+    owner: Option<Charge>,
+    /// The tenants whose requests took it, each with the tier its latest request named and
+    /// the mark each of those requests holds a clone of (held while the count is above one);
+    /// entries no request holds are dropped when another tenant is marked.
+    users: Mutex<Vec<(Charge, Arc<()>)>>,
+}
+
+impl Resident {
+    /// `adapter` in memory, charged to `owner`, last used at `now`, no request's yet.
+    fn new(id: u32, adapter: Arc<LoraAdapter>, now: u64, owner: Option<Charge>) -> Self {
+        Resident {
+            id,
+            adapter,
+            last_used: AtomicU64::new(now),
+            owner,
+            users: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A request of `charge`'s tenant takes the adapter: its mark (none without a charge).
+    fn mark(&self, charge: Option<&Charge>) -> Option<AdapterUser> {
+        let charge = charge?;
+        let mut users = self.users.lock();
+        users.retain(|(c, m)| Arc::strong_count(m) > 1 || c.tenant == charge.tenant);
+        let mark = match users.iter_mut().find(|(c, _)| c.tenant == charge.tenant) {
+            Some((c, m)) => {
+                c.tier = charge.tier.clone();
+                m.clone()
+            }
+            None => {
+                let m = Arc::new(());
+                users.push((charge.clone(), m.clone()));
+                m
+            }
+        };
+        Some(AdapterUser { _mark: mark })
+    }
+
+    /// The tenants whose requests hold the adapter now, by name (with their latest tier).
+    fn holders(&self) -> Vec<Charge> {
+        let mut holders: Vec<Charge> = self
+            .users
+            .lock()
+            .iter()
+            .filter(|(_, m)| Arc::strong_count(m) > 1)
+            .map(|(c, _)| c.clone())
+            .collect();
+        holders.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+        holders
+    }
+}
+
+/// One request's use of an adapter in memory, held beside the weights until the request
+/// ends: it tells the LoRA manager which tenants' requests use an adapter, so that a tenant
+/// charged for an adapter only other tenants use is not refused for it
+/// ([`LoraManager::make_share_room`]).
+#[derive(Clone, Debug)]
+pub struct AdapterUser {
+    _mark: Arc<()>,
+}
+
+/// An adapter resolved for a request: its id (the prefix-cache key), its weights and the
+/// request's mark as one of its users (none for an uncharged resolution).
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    /// The registration's id.
+    pub id: u32,
+    /// The weights.
+    pub adapter: Arc<LoraAdapter>,
+    /// The request's use, held with the weights.
+    pub user: Option<AdapterUser>,
 }
 
 /// The contents of a [`LoraRegistry`].
@@ -273,8 +349,8 @@ pub struct LoraRegistry(Arc<SharedRegistry>);
 
 /// What the registry knows of a name.
 enum Lookup {
-    /// In memory: the id and the weights.
-    Resident(u32, Arc<LoraAdapter>),
+    /// In memory: the id, the weights and the request's mark.
+    Resident(Resolved),
     /// Registered, but evicted from memory: the manager must load it again.
     Evicted,
     /// Not registered.
@@ -292,12 +368,18 @@ impl LoraRegistry {
         self.0.state.read().adapters.iter().any(|a| a.name == name)
     }
 
-    /// The id and weights of `name` if they are in memory, marking it used.
-    fn lookup(&self, name: &str) -> Lookup {
+    /// The id and weights of `name` if they are in memory, marking it used (by `charge`'s
+    /// tenant: weights and mark are taken under one read lock, so the manager, under the write
+    /// lock, sees both or neither).
+    fn lookup(&self, name: &str, charge: Option<&Charge>) -> Lookup {
         let state = self.0.state.read();
         if let Some(r) = state.resident.get(name) {
             r.last_used.store(self.tick(), Ordering::Relaxed);
-            Lookup::Resident(r.id, r.adapter.clone())
+            Lookup::Resident(Resolved {
+                id: r.id,
+                adapter: r.adapter.clone(),
+                user: r.mark(charge),
+            })
         } else if state.adapters.iter().any(|a| a.name == name) {
             Lookup::Evicted
         } else {
@@ -404,13 +486,13 @@ impl LoraHandle {
         &self,
         name: &str,
         charge: Option<&Charge>,
-    ) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
-        match self.registry.lookup(name) {
-            Lookup::Resident(id, adapter) => {
+    ) -> Result<Resolved, LoraError> {
+        match self.registry.lookup(name, charge) {
+            Lookup::Resident(resolved) => {
                 if self.registry.take_over_limit() {
                     self.addr.do_send(Evict);
                 }
-                Ok((id, adapter))
+                Ok(resolved)
             }
             Lookup::Evicted => self.ask(Resolve(name.to_owned(), charge.cloned())).await,
             Lookup::Unknown if self.discovers => {
@@ -431,8 +513,9 @@ impl LoraHandle {
     }
 }
 
-/// A registration, with the adapter's weights when the registering caller holds them.
-type Registered = (AdapterInfo, Option<Arc<LoraAdapter>>);
+/// A registration, with the adapter's weights (and the caller's mark as a user) when the
+/// registering caller holds them.
+type Registered = (AdapterInfo, Option<Resolved>);
 
 /// Who keeps a new registration's weights from the eviction that follows it.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -446,10 +529,113 @@ enum Keep {
 /// What [`LoraManager::make_share_room`] does in a tenant's full share.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ShareRoom {
-    /// Only decides: refuses when every adapter of the share is in use, drops nothing.
+    /// Only decides: refuses when every adapter of the share is in use by the tenant's own
+    /// requests (or by no tenant's); moves and drops nothing.
     Check,
-    /// Drops the tenant's least recently used unused adapters until the share has room.
+    /// Makes room: moves charges to other tenants using the adapters and drops the tenant's
+    /// least recently used unused adapters ([`share_step`]) until the share has room.
     Make,
+}
+
+/// The next step [`LoraManager::make_share_room`] takes in a tenant's share.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum ShareStep {
+    /// The share has room for one more adapter.
+    Room,
+    /// The adapter's charge moves to the tenant named (one whose requests use it).
+    Move(String, Charge),
+    /// The adapter, no request's, is dropped.
+    Drop(String),
+    /// Every adapter of the share is in use by the tenant's own requests (or by no tenant's):
+    /// the load is refused.
+    Full,
+}
+
+/// What makes room next in the share (`limit` adapters) of `tenant` in `state`, `shares`
+/// being the tiers' shares; pinned adapters count in no share. First, an adapter charged to
+/// the tenant that no request of its uses but other tenants' requests do has its charge
+/// moved to the one of those with the most room in its share (a tier without a share: all
+/// the room; ties: the first by name), if it has room: that tenant's requests use the
+/// memory, and its share bounds what it is charged; the least recently used such adapter
+/// first. Else the tenant's least recently used adapter that no request holds is dropped.
+/// Else such a charge moves to the user with the most room even though it has none: an
+/// adapter other tenants keep busy never keeps its loader out (nor can any tenant lock
+/// another out so); the user, now beyond its share, makes room in it at its own next load
+/// and its unused adapters are the first dropped from full memory ([`LoraManager::evict`]).
+fn share_step(
+    state: &RegistryState,
+    shares: &HashMap<String, usize>,
+    tenant: &str,
+    limit: usize,
+) -> ShareStep {
+    let pinned: Vec<&str> = state
+        .adapters
+        .iter()
+        .filter(|a| a.pinned)
+        .map(|a| a.name.as_str())
+        .collect();
+    let charged = |t: &str| {
+        state
+            .resident
+            .iter()
+            .filter(|(name, r)| {
+                r.owner.as_ref().is_some_and(|o| &*o.tenant == t)
+                    && !pinned.contains(&name.as_str())
+            })
+            .count()
+    };
+    let theirs: Vec<(&String, &Resident)> = state
+        .resident
+        .iter()
+        .filter(|(name, r)| {
+            r.owner.as_ref().is_some_and(|o| &*o.tenant == tenant)
+                && !pinned.contains(&name.as_str())
+        })
+        .collect();
+    if theirs.len() < limit {
+        return ShareStep::Room;
+    }
+    let used = |r: &Resident| r.last_used.load(Ordering::Relaxed);
+    // Per adapter only other tenants use: its user with the most room, and that room.
+    let movable = theirs.iter().filter_map(|(name, r)| {
+        if Arc::strong_count(&r.adapter) == 1 {
+            return None;
+        }
+        let holders = r.holders();
+        if holders.iter().any(|h| &*h.tenant == tenant) {
+            return None;
+        }
+        let room = |h: &Charge| match shares.get(&*h.tier) {
+            Some(&share) => share as i64 - charged(&h.tenant) as i64,
+            None => i64::MAX,
+        };
+        let (room, to) = holders
+            .into_iter()
+            .map(|h| (room(&h), h))
+            .min_by_key(|(room, _)| std::cmp::Reverse(*room))?;
+        Some((room, used(r), (*name).clone(), to))
+    });
+    let movable: Vec<(i64, u64, String, Charge)> = movable.collect();
+    if let Some((_, _, name, to)) = movable
+        .iter()
+        .filter(|(room, ..)| *room > 0)
+        .min_by_key(|(_, used, ..)| *used)
+    {
+        return ShareStep::Move(name.clone(), to.clone());
+    }
+    if let Some((name, _)) = theirs
+        .iter()
+        .filter(|(_, r)| Arc::strong_count(&r.adapter) == 1)
+        .min_by_key(|(_, r)| used(r))
+    {
+        return ShareStep::Drop((*name).clone());
+    }
+    movable
+        .into_iter()
+        .min_by_key(|(room, used, ..)| (std::cmp::Reverse(*room), *used))
+        .map_or(ShareStep::Full, |(_, _, name, to)| {
+            ShareStep::Move(name, to)
+        })
 }
 
 /// The LoRA manager actor.
@@ -506,20 +692,18 @@ impl LoraManager {
         Ok(Arc::new(adapter))
     }
 
-    /// Puts `adapter` in memory under `name` and `id`, charged to `owner`.
+    /// Puts `adapter` in memory under `name` and `id`, charged to `owner`; `user`'s mark as
+    /// its first user.
     fn make_resident(
         &self,
         name: &str,
         id: u32,
         adapter: Arc<LoraAdapter>,
-        owner: Option<Arc<str>>,
-    ) {
-        let resident = Resident {
-            id,
-            adapter,
-            last_used: AtomicU64::new(self.registry.tick()),
-            owner,
-        };
+        owner: Option<Charge>,
+        user: Option<&Charge>,
+    ) -> Option<AdapterUser> {
+        let resident = Resident::new(id, adapter, self.registry.tick(), owner);
+        let mark = resident.mark(user);
         let old = self
             .registry
             .0
@@ -529,6 +713,7 @@ impl LoraManager {
             .insert(name.to_owned(), resident);
         // Weights are freed outside the lock (none are replaced: the manager checks first).
         drop(old);
+        mark
     }
 
     /// Registers `name` at `path`, loading the adapter to check it (not pinned).
@@ -610,13 +795,12 @@ impl LoraManager {
         self.fingerprints
             .insert(name.to_owned(), adapter.fingerprint());
         // Listed and in memory at once: no reader sees a registered name without its weights.
-        let held = (hold == Keep::Caller).then(|| adapter.clone());
-        let resident = Resident {
+        let resident = Resident::new(info.id, adapter, self.registry.tick(), charge.cloned());
+        let held = (hold == Keep::Caller).then(|| Resolved {
             id: info.id,
-            adapter,
-            last_used: AtomicU64::new(self.registry.tick()),
-            owner: charge.map(|c| c.tenant.clone()),
-        };
+            adapter: resident.adapter.clone(),
+            user: resident.mark(charge),
+        });
         {
             let mut state = self.registry.0.state.write();
             state.adapters.push(info.clone());
@@ -693,7 +877,7 @@ impl LoraManager {
             return Ok(info);
         }
         self.check_pin_room(name, pinned)?;
-        if pinned && matches!(self.registry.lookup(name), Lookup::Evicted) {
+        if pinned && matches!(self.registry.lookup(name, None), Lookup::Evicted) {
             self.reload(name, None)?;
         }
         let info = {
@@ -847,12 +1031,7 @@ impl LoraManager {
             base_model,
             base_model_differs,
         };
-        let resident = Resident {
-            id,
-            adapter,
-            last_used: AtomicU64::new(self.registry.tick()),
-            owner: None,
-        };
+        let resident = Resident::new(id, adapter, self.registry.tick(), None);
         let replaced = {
             let mut state = self.registry.0.state.write();
             if let Some(a) = state.adapters.iter_mut().find(|a| a.name == name) {
@@ -909,7 +1088,7 @@ impl LoraManager {
     /// The id and weights of `name`, loading them if they were evicted (uncharged).
     #[cfg(test)]
     pub fn resolve(&mut self, name: &str) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
-        self.resolve_for(name, None)
+        self.resolve_for(name, None).map(|r| (r.id, r.adapter))
     }
 
     /// The id and weights of `name` for a request, loading them, charged to `charge`'s
@@ -918,14 +1097,14 @@ impl LoraManager {
         &mut self,
         name: &str,
         charge: Option<&Charge>,
-    ) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
-        let resolved = match self.registry.lookup(name) {
-            Lookup::Resident(id, adapter) => Ok((id, adapter)),
+    ) -> Result<Resolved, LoraError> {
+        let resolved = match self.registry.lookup(name, charge) {
+            Lookup::Resident(resolved) => Ok(resolved),
             Lookup::Evicted => self.reload(name, charge),
             // Registered just now, with the weights held: the eviction that followed the
             // registration could not drop them.
             Lookup::Unknown => match self.discover(name, Keep::Caller, charge) {
-                Ok(Some((info, Some(adapter)))) => Ok((info.id, adapter)),
+                Ok(Some((_, Some(resolved)))) => Ok(resolved),
                 Ok(Some((_, None)) | None) => Err(LoraError::Unknown(name.to_owned())),
                 Err(e) => Err(e),
             },
@@ -937,16 +1116,13 @@ impl LoraManager {
     /// Loads an evicted adapter again, charged to `charge`'s tenant (room made in its share
     /// first). Its files are the server's, not the client's: a failure is logged with its
     /// detail and reported without it.
-    fn reload(
-        &mut self,
-        name: &str,
-        charge: Option<&Charge>,
-    ) -> Result<(u32, Arc<LoraAdapter>), LoraError> {
+    fn reload(&mut self, name: &str, charge: Option<&Charge>) -> Result<Resolved, LoraError> {
         let info = self
             .registry
             .info(name)
             .ok_or_else(|| LoraError::Unknown(name.to_owned()))?;
         // A pinned adapter is no tenant's (reloaded when pinned).
+        let request = charge;
         let charge = charge.filter(|_| !info.pinned);
         // As in `register_held`: refused before the read, room made after it.
         self.make_share_room(charge, ShareRoom::Check)?;
@@ -1003,16 +1179,23 @@ impl LoraManager {
                 a.base_model_differs = differs;
             }
         }
-        self.make_resident(name, id, adapter.clone(), charge.map(|c| c.tenant.clone()));
-        Ok((id, adapter))
+        // The request is the adapter's first user (its own charge: a pinned adapter's user
+        // is marked all the same).
+        let user = self.make_resident(name, id, adapter.clone(), charge.cloned(), request);
+        Ok(Resolved { id, adapter, user })
     }
 
     /// Makes room for one more adapter in the share of memory of `charge`'s tenant (its
-    /// tier's `max_cpu_loras_per_tenant`; nothing without a charge or a share): while the
-    /// adapters charged to it (pinned ones aside) fill the share, its least recently used one
-    /// that no request holds is dropped; when every one is in use, the load is refused
-    /// ([`LoraError::TenantShare`]). Never another tenant's adapter. With
-    /// [`ShareRoom::Check`] nothing is dropped: only the refusal is decided (before a read).
+    /// tier's `max_cpu_loras_per_tenant`; nothing without a charge or a share), one step at a
+    /// time ([`share_step`]) while the adapters charged to it (pinned ones aside) fill the
+    /// share: an adapter of its that only other tenants' requests use has its charge moved
+    /// to one of those tenants (one whose share has room, before any of its own adapters is
+    /// dropped); else its least recently used adapter that no request holds is dropped; else
+    /// such an adapter's charge moves to a user beyond that user's share (it is that user's
+    /// memory: its own loads then make room); when every one is in use by the tenant's own
+    /// requests (or by no tenant's), the load is refused ([`LoraError::TenantShare`]). Never
+    /// another tenant's adapter dropped. With [`ShareRoom::Check`] nothing changes: only the
+    /// refusal is decided (before a read).
     fn make_share_room(
         &mut self,
         charge: Option<&Charge>,
@@ -1021,68 +1204,80 @@ impl LoraManager {
         let Some(charge) = charge else {
             return Ok(());
         };
-        let Some(limit) = self.registry.0.shares.read().get(&*charge.tier).copied() else {
+        let shares = self.registry.0.shares.read().clone();
+        let Some(&limit) = shares.get(&*charge.tier) else {
             return Ok(());
         };
         let labels = crate::metric_names::tier_labels(&charge.tier);
         loop {
             let dropped = {
-                // Chosen and dropped under one write lock: readers clone weights only under
-                // the read lock, so none can take up the victim in between.
+                // Chosen and changed under one write lock: readers clone weights and marks only
+                // under the read lock, so none can take up the victim, or start using an
+                // adapter whose charge moves, in between.
                 let mut state = self.registry.0.state.write();
-                let pinned: Vec<&str> = state
-                    .adapters
-                    .iter()
-                    .filter(|a| a.pinned)
-                    .map(|a| a.name.as_str())
-                    .collect();
-                let theirs = state.resident.iter().filter(|(name, r)| {
-                    r.owner.as_deref() == Some(&*charge.tenant) && !pinned.contains(&name.as_str())
-                });
-                let charged = theirs.clone().count();
-                if charged < limit {
+                let step = share_step(&state, &shares, &charge.tenant, limit);
+                if step == ShareStep::Room || (step != ShareStep::Full && room == ShareRoom::Check)
+                {
                     return Ok(());
                 }
-                let victim = theirs
-                    .filter(|(_, r)| Arc::strong_count(&r.adapter) == 1)
-                    .min_by_key(|(_, r)| r.last_used.load(Ordering::Relaxed))
-                    .map(|(name, _)| name.clone());
-                if victim.is_some() && room == ShareRoom::Check {
-                    return Ok(());
-                }
-                let Some(victim) = victim else {
-                    drop(state);
-                    metrics::counter!(crate::metric_names::LORA_SHARE_REFUSALS, labels.clone())
-                        .increment(1);
-                    if let Some(refused) = self.share_refusals.hit(std::time::Instant::now()) {
-                        tracing::warn!(
-                            tier = %charge.tier,
-                            latest_tenant = %charge.tenant,
+                match step {
+                    ShareStep::Room => return Ok(()),
+                    ShareStep::Full => {
+                        drop(state);
+                        metrics::counter!(crate::metric_names::LORA_SHARE_REFUSALS, labels.clone())
+                            .increment(1);
+                        if let Some(refused) = self.share_refusals.hit(std::time::Instant::now()) {
+                            tracing::warn!(
+                                tier = %charge.tier,
+                                latest_tenant = %charge.tenant,
+                                limit,
+                                refused,
+                                "requests refused (429): their tenant's LoRA adapters in memory \
+                                 fill its tier's tiers.<name>.max_cpu_loras_per_tenant and all \
+                                 are in use by its own requests (refused counts the refusals \
+                                 since the previous such line)"
+                            );
+                        }
+                        return Err(LoraError::TenantShare {
+                            tier: charge.tier.to_string(),
                             limit,
-                            refused,
-                            "requests refused (429): their tenant's LoRA adapters in memory \
-                             fill its tier's tiers.<name>.max_cpu_loras_per_tenant and all are \
-                             in use (refused counts the refusals since the previous such line)"
-                        );
+                        });
                     }
-                    return Err(LoraError::TenantShare {
-                        tier: charge.tier.to_string(),
-                        limit,
-                    });
-                };
-                tracing::debug!(name = %victim, tenant = %charge.tenant,
-                    "LoRA adapter evicted from memory to make room in its tenant's share");
-                state.resident.remove(&victim)
+                    ShareStep::Drop(victim) => {
+                        tracing::debug!(name = %victim, tenant = %charge.tenant,
+                            "LoRA adapter evicted from memory to make room in its tenant's share");
+                        metrics::counter!(
+                            crate::metric_names::LORA_SHARE_EVICTIONS,
+                            labels.clone()
+                        )
+                        .increment(1);
+                        state.resident.remove(&victim)
+                    }
+                    ShareStep::Move(name, to) => {
+                        tracing::debug!(name = %name, from = %charge.tenant, to = %to.tenant,
+                            "LoRA adapter's charge moved to a tenant whose requests use it, to \
+                             make room in the share of the tenant charged for it");
+                        metrics::counter!(
+                            crate::metric_names::LORA_SHARE_TRANSFERS,
+                            labels.clone()
+                        )
+                        .increment(1);
+                        if let Some(r) = state.resident.get_mut(&name) {
+                            r.owner = Some(to);
+                        }
+                        None
+                    }
+                }
             };
-            metrics::counter!(crate::metric_names::LORA_SHARE_EVICTIONS, labels.clone())
-                .increment(1);
             // The weights are freed outside the lock.
             drop(dropped);
         }
     }
 
     /// Drops least recently used adapters that no request holds while more than `max_loaded`
-    /// are in memory; flags the registry when adapters in use keep it over the limit.
+    /// are in memory, those of tenants charged beyond their share first (a charge moved to a
+    /// tenant whose requests used the adapter, or a lowered share); flags the registry when
+    /// adapters in use keep it over the limit.
     fn evict(&mut self) {
         let max = self.config.max_loaded;
         let shared = &self.registry.0;
@@ -1090,6 +1285,7 @@ impl LoraManager {
             shared.over_limit.store(false, Ordering::Release);
             return;
         }
+        let shares = shared.shares.read().clone();
         let mut dropped = Vec::new();
         let mut state = shared.state.write();
         let pinned: Vec<String> = state
@@ -1101,11 +1297,24 @@ impl LoraManager {
         while state.resident.len() > max {
             // Only the registry holds an unused adapter's weights; readers clone them only
             // under the read lock, so none can start using a victim while this lock is held.
+            let mut charged: HashMap<&str, usize> = HashMap::new();
+            for (name, r) in &state.resident {
+                if let Some(o) = r.owner.as_ref().filter(|_| !pinned.contains(name)) {
+                    *charged.entry(&*o.tenant).or_default() += 1;
+                }
+            }
+            let beyond = |r: &Resident| {
+                r.owner.as_ref().is_some_and(|o| {
+                    shares
+                        .get(&*o.tier)
+                        .is_some_and(|&s| charged.get(&*o.tenant).copied().unwrap_or(0) > s)
+                })
+            };
             let victim = state
                 .resident
                 .iter()
                 .filter(|(name, r)| Arc::strong_count(&r.adapter) == 1 && !pinned.contains(name))
-                .min_by_key(|(_, r)| r.last_used.load(Ordering::Relaxed))
+                .min_by_key(|(_, r)| (!beyond(r), r.last_used.load(Ordering::Relaxed)))
                 .map(|(name, _)| name.clone());
             let Some(name) = victim else { break };
             tracing::debug!(name = %name, "LoRA adapter evicted from memory");
@@ -1205,11 +1414,11 @@ impl Handler<Unregister> for LoraManager {
 
 /// Resolves an adapter name for a request (one the registry did not have in memory).
 #[derive(Message)]
-#[rtype(result = "Result<(u32, Arc<LoraAdapter>), LoraError>")]
+#[rtype(result = "Result<Resolved, LoraError>")]
 struct Resolve(String, Option<Charge>);
 
 impl Handler<Resolve> for LoraManager {
-    type Result = Result<(u32, Arc<LoraAdapter>), LoraError>;
+    type Result = Result<Resolved, LoraError>;
     fn handle(&mut self, msg: Resolve, _: &mut Self::Context) -> Self::Result {
         self.resolve_for(&msg.0, msg.1.as_ref())
     }

@@ -525,9 +525,7 @@ fn a_tenant_s_loads_recycle_its_own_share_and_never_evict_another_tenant_s_adapt
         tier: "gold".into(),
     };
     let (acme, bob) = (charge("acme"), charge("bob"));
-    let serve = |m: &mut LoraManager, name: &str, who: &Charge| {
-        m.resolve_for(name, Some(who)).map(|(_, a)| a)
-    };
+    let serve = |m: &mut LoraManager, name: &str, who: &Charge| m.resolve_for(name, Some(who));
     serve(&mut m, "b1", &bob).expect("b1");
     serve(&mut m, "a1", &acme).expect("a1");
     serve(&mut m, "a2", &acme).expect("a2");
@@ -795,7 +793,7 @@ async fn the_handle_finds_adapters_through_the_manager() {
     let lora = LoraHandle::start(c);
     assert!(!lora.find("nobody").await.unwrap());
     assert!(lora.find("found").await.unwrap());
-    let (id, _) = lora.resolve("found", None).await.expect("found");
+    let id = lora.resolve("found", None).await.expect("found").id;
     let info = lora
         .registry
         .info("found")
@@ -919,9 +917,10 @@ async fn adapters_in_memory_resolve_while_the_manager_is_busy() {
     lora.addr.do_send(Hold(hold));
     // b is in memory: resolved from the registry, without waiting for the manager.
     let resolve_b = std::pin::pin!(lora.resolve("b", None));
-    let (id, _) = poll_once(resolve_b)
+    let id = poll_once(resolve_b)
         .expect("resolved without the manager")
-        .expect("b");
+        .expect("b")
+        .id;
     assert_eq!(id, b.id);
     let unknown = std::pin::pin!(lora.resolve("nobody", None));
     assert!(matches!(
@@ -932,7 +931,7 @@ async fn adapters_in_memory_resolve_while_the_manager_is_busy() {
     let mut resolve_a = std::pin::pin!(lora.resolve("a", None));
     assert!(poll_once(resolve_a.as_mut()).is_none(), "a reload waits");
     release.send(()).unwrap();
-    let (id, _) = resolve_a.await.expect("a");
+    let id = resolve_a.await.expect("a").id;
     assert_eq!(id, a.id);
 }
 
@@ -945,13 +944,13 @@ async fn adapters_released_over_the_limit_are_evicted_on_the_next_request() {
         pinned: false,
     };
     lora.ask(register("a")).await.expect("a");
-    let (_, held_a) = lora.resolve("a", None).await.expect("a");
+    let held_a = lora.resolve("a", None).await.expect("a");
     // b, unused, makes way at once for a, in use.
     lora.ask(register("b")).await.expect("b");
     let in_memory = || lora.registry.0.state.read().resident.len();
     assert_eq!(in_memory(), 1);
     // Reloaded for a request while a is in use: two in memory, over the limit of one.
-    let (_, held_b) = lora.resolve("b", None).await.expect("b");
+    let held_b = lora.resolve("b", None).await.expect("b");
     assert_eq!(in_memory(), 2);
     drop((held_a, held_b));
     // The next request served from memory asks the manager to evict again: a, unused and
@@ -963,4 +962,184 @@ async fn adapters_released_over_the_limit_are_evicted_on_the_next_request() {
     lora.addr.send(Hold(hold)).await.unwrap();
     let state = lora.registry.0.state.read();
     assert_eq!(state.resident.keys().collect::<Vec<_>>(), ["b"]);
+}
+
+/// The tenant charged for each adapter in memory, by name (`None`: no tenant's).
+fn owners(m: &LoraManager) -> Vec<(String, Option<String>)> {
+    let state = m.registry.0.state.read();
+    let mut owners: Vec<_> = state
+        .resident
+        .iter()
+        .map(|(name, r)| (name.clone(), r.owner.as_ref().map(|o| o.tenant.to_string())))
+        .collect();
+    owners.sort();
+    owners
+}
+
+/// Regression: a tenant whose charged adapters were all in use only by other tenants'
+/// requests was refused (429) for as long as they used them, its own requests holding
+/// nothing: the charge followed who loaded an adapter, not who used it. An adapter only
+/// other tenants use has its charge moved to one of them whose share has room, so its
+/// loader loads on; one the loader's own requests use stays its own, and the tenant the
+/// charge moved to is bounded by its share from then on.
+#[test]
+fn an_adapter_only_other_tenants_use_moves_its_charge_to_them() {
+    let root = AdapterCopy::new("share-move");
+    for name in ["x", "y", "z"] {
+        copy_into(&root.0, name);
+    }
+    let mut c = config(16, 8);
+    c.adapter_dirs = vec![root.0.clone()];
+    c.tenant_shares = vec![("gold".into(), 1)];
+    let mut m = LoraManager::new(c, LoraRegistry::default());
+    let charge = |tenant: &str| Charge {
+        tenant: tenant.into(),
+        tier: "gold".into(),
+    };
+    let (acme, bob) = (charge("acme"), charge("bob"));
+    // acme reads x; bob's request takes it from memory (uncharged) and keeps it busy.
+    drop(m.resolve_for("x", Some(&acme)).expect("x"));
+    let bob_x = m.resolve_for("x", Some(&bob)).expect("x for bob");
+    // acme's own requests hold nothing: its next load is served, x now bob's.
+    let reads = m.reads;
+    let acme_y = m
+        .resolve_for("y", Some(&acme))
+        .expect("y: x is only bob's to use");
+    assert_eq!(m.reads, reads + 1);
+    assert_eq!(
+        owners(&m),
+        [
+            ("x".into(), Some("bob".into())),
+            ("y".into(), Some("acme".into()))
+        ]
+    );
+    // bob is charged for x now: its share is full of an adapter its request uses.
+    let e = m
+        .resolve_for("z", Some(&bob))
+        .expect_err("bob's share holds x, in use");
+    assert!(
+        matches!(e, LoraError::TenantShare { limit: 1, .. }),
+        "{e:?}"
+    );
+    // An adapter the charged tenant's own requests use stays its own, whoever else uses it.
+    let bob_y = m.resolve_for("y", Some(&bob)).expect("y for bob");
+    let e = m
+        .resolve_for("z", Some(&acme))
+        .expect_err("acme uses y itself");
+    assert!(
+        matches!(e, LoraError::TenantShare { limit: 1, .. }),
+        "{e:?}"
+    );
+    drop((acme_y, bob_y));
+    // Released, x is bob's to recycle: bob's next load drops it, not acme's y.
+    drop(bob_x);
+    m.resolve_for("z", Some(&bob)).expect("z");
+    assert_eq!(m.loaded(), ["y", "z"]);
+    assert_eq!(
+        owners(&m),
+        [
+            ("y".into(), Some("acme".into())),
+            ("z".into(), Some("bob".into()))
+        ]
+    );
+}
+
+/// A tenant cannot keep another out of its share by keeping the other's adapters busy: with
+/// its own share full of adapters in use, the charge moves to it all the same, beyond its
+/// share; its own loads are then refused while its requests use them all, and once released,
+/// its adapters beyond its share are the first dropped from full memory (here before an
+/// older adapter within another tenant's share).
+#[test]
+fn a_tenant_keeping_another_s_adapter_busy_is_charged_for_it_beyond_its_share() {
+    let root = AdapterCopy::new("share-beyond");
+    for name in ["c", "w", "x", "y", "z"] {
+        copy_into(&root.0, name);
+    }
+    let mut c = config(16, 3);
+    c.adapter_dirs = vec![root.0.clone()];
+    c.tenant_shares = vec![("gold".into(), 1)];
+    let mut m = LoraManager::new(c, LoraRegistry::default());
+    let charge = |tenant: &str| Charge {
+        tenant: tenant.into(),
+        tier: "gold".into(),
+    };
+    let (acme, bob, carol) = (charge("acme"), charge("bob"), charge("carol"));
+    drop(m.resolve_for("c", Some(&carol)).expect("c"));
+    let bob_w = m.resolve_for("w", Some(&bob)).expect("w");
+    drop(m.resolve_for("x", Some(&acme)).expect("x"));
+    let bob_x = m.resolve_for("x", Some(&bob)).expect("x for bob");
+    // bob's share is full of w, which it uses; acme's x, busy with bob's request only, is
+    // charged to bob all the same, and acme loads y.
+    let acme_y = m
+        .resolve_for("y", Some(&acme))
+        .expect("y: x is only bob's to use");
+    let bob_owns = |m: &LoraManager| {
+        owners(m)
+            .into_iter()
+            .filter(|(_, o)| o.as_deref() == Some("bob"))
+            .count()
+    };
+    assert_eq!(bob_owns(&m), 2);
+    // Memory (3) holds the three adapters in use; carol's unused c made way.
+    assert_eq!(m.loaded(), ["w", "x", "y"]);
+    // bob's own loads are refused while its requests use both.
+    let e = m
+        .resolve_for("z", Some(&bob))
+        .expect_err("bob uses w and x");
+    assert!(
+        matches!(e, LoraError::TenantShare { limit: 1, .. }),
+        "{e:?}"
+    );
+    // All released, x used last: memory full again (carol's c read back), bob's x, beyond
+    // its share, goes before acme's y, older but within acme's share.
+    drop((acme_y, bob_x));
+    drop(m.resolve_for("x", Some(&bob)).expect("x"));
+    drop(m.resolve_for("c", Some(&carol)).expect("c"));
+    assert_eq!(m.loaded(), ["c", "w", "y"]);
+    assert_eq!(bob_owns(&m), 1);
+    drop(bob_w);
+}
+
+/// Which of an adapter's users its charge moves to: one with room in its share before one
+/// without (even one used more recently), a tenant of a tier without a share (unbounded) as
+/// any with room; and a full share whose adapters only requests of no tenant use is refused.
+#[test]
+fn a_charge_moves_to_the_user_with_the_most_room() {
+    let root = AdapterCopy::new("share-room");
+    for name in ["b1", "x", "y", "z"] {
+        copy_into(&root.0, name);
+    }
+    let mut c = config(16, 8);
+    c.adapter_dirs = vec![root.0.clone()];
+    c.tenant_shares = vec![("gold".into(), 1), ("silver".into(), 2)];
+    let mut m = LoraManager::new(c, LoraRegistry::default());
+    let gold = |tenant: &str| Charge {
+        tenant: tenant.into(),
+        tier: "gold".into(),
+    };
+    let (acme, bob) = (gold("acme"), gold("bob"));
+    let dan = Charge {
+        tenant: "dan".into(),
+        tier: "silver".into(),
+    };
+    // bob's share is full (b1, in use); dan's has room: x goes to dan, though bob is first
+    // by name.
+    let bob_b1 = m.resolve_for("b1", Some(&bob)).expect("b1");
+    drop(m.resolve_for("x", Some(&acme)).expect("x"));
+    let users = (
+        m.resolve_for("x", Some(&bob)).expect("x for bob"),
+        m.resolve_for("x", Some(&dan)).expect("x for dan"),
+    );
+    m.resolve_for("y", Some(&acme)).expect("y");
+    assert!(owners(&m).contains(&("x".into(), Some("dan".into()))));
+    drop((users, bob_b1));
+    // y is in use by an uncharged resolution only (no tenant's request): acme is refused.
+    let _held = m.resolve("y").expect("y, uncharged");
+    let e = m
+        .resolve_for("z", Some(&acme))
+        .expect_err("no tenant to charge");
+    assert!(
+        matches!(e, LoraError::TenantShare { limit: 1, .. }),
+        "{e:?}"
+    );
 }
