@@ -320,6 +320,7 @@ impl Scheduler {
             max_num_seqs: self.config.max_num_seqs,
             seqs: &self.seqs,
             running: &self.running,
+            waiting: &self.waiting,
         };
         let budget = self
             .policy

@@ -89,6 +89,8 @@ pub struct StepContext<'a> {
     pub(crate) seqs: &'a [Option<Sequence>],
     /// Slots of the running sequences.
     pub(crate) running: &'a [u32],
+    /// Slots of the waiting sequences.
+    pub(crate) waiting: &'a [u32],
 }
 
 impl<'a> StepContext<'a> {
@@ -96,6 +98,15 @@ impl<'a> StepContext<'a> {
     pub fn running(&self) -> impl Iterator<Item = SeqView<'a>> + 'a {
         let seqs = self.seqs;
         self.running
+            .iter()
+            .filter_map(move |&s| seqs.get(s as usize).and_then(|o| o.as_ref()))
+            .map(SeqView::new)
+    }
+
+    /// The waiting sequences, in no particular order.
+    pub fn waiting(&self) -> impl Iterator<Item = SeqView<'a>> + 'a {
+        let seqs = self.seqs;
+        self.waiting
             .iter()
             .filter_map(move |&s| seqs.get(s as usize).and_then(|o| o.as_ref()))
             .map(SeqView::new)

@@ -319,6 +319,7 @@ mod tests {
             max_num_seqs: 8,
             seqs: &seqs,
             running: &[],
+            waiting: &[],
         };
         let plain = PrefixAware::new(5_000.0, 128);
         assert_eq!(plain.token_budget(&ctx(8192)), 8192);

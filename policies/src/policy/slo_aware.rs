@@ -33,10 +33,29 @@
 //!   not (never below `min_chunk_tokens` of prefill). The planner hands that budget out in
 //!   rank order, waiting requests included, so a shrunk budget slows the lower-ranked
 //!   prefills, not a waiting request ranked above them.
+//! * A reserve for targeted arrivals (requests with a TTFT target, of a tier that is not
+//!   preemptible): a request that arrives during a step waits it out, so while a targeted
+//!   request is present, and for a window after the last one arrived or left, steps are
+//!   bounded. While targeted requests wait for their first token, a step may last until the
+//!   tightest of them is due (Niyama's TTFT-sized chunks: a loose target lets a long step of
+//!   batch prefills run before the first token rather than between its decodes); otherwise
+//!   half the tightest recent TTFT target, so that the step an arrival waits out and its own
+//!   first step share the target. Both times `pace_fraction`, and never below the whole
+//!   remaining prompts of the targeted requests still waiting for their first token (a
+//!   bounded step does not chunk them) or `min_chunk_tokens`, plus the decodes. The window is
+//!   three times the mean idle gap seen so far (from the moment no targeted request was
+//!   present to the next targeted arrival, smoothed; for Poisson arrivals the next one comes
+//!   within it 95 % of the time), at least the tightest TTFT target (a closed-loop client's
+//!   turnaround) and at most `reserve_window_ms` (also the window before any idle gap is
+//!   seen; 0 turns the reserve off), so a steady stream of targeted requests keeps its short
+//!   steps between requests while a period without them gets the full budget. Times come
+//!   from the events the policy observes (an arrival at its arrival time, a departure at its
+//!   last token, or its arrival if it had none) and the planning clock: the policy holds no
+//!   clock. The bound looks at the waiting queue, O(waiting) a step, only while it is active.
 
 use crate::error::PolicyError;
 use crate::policy::params::Params;
-use crate::policy::{Policy, Rank, StepContext};
+use crate::policy::{Policy, PolicyEvent, Rank, StepContext};
 use crate::sequence::SeqView;
 use crate::types::{TierSpec, Timestamp};
 
@@ -66,7 +85,41 @@ fn class_of(rank: Rank) -> i64 {
     rank.class >> CLASS_SHIFT
 }
 
-/// Niyama-style deadline scheduling with relegation and slack-sized chunks.
+/// Mean idle gaps (no targeted request present until the next targeted arrival) that the
+/// reserve outlasts the last targeted arrival or departure by (capped by `reserve_window_ms`).
+const RESERVE_GAPS: f64 = 3.0;
+/// Weight of the newest idle gap in the smoothed one.
+const GAP_SMOOTHING: f64 = 0.25;
+/// Default `reserve_window_ms`.
+const DEFAULT_RESERVE_WINDOW_MS: f64 = 10_000.0;
+/// Largest `reserve_window_ms` (an hour).
+const MAX_RESERVE_WINDOW_MS: f64 = 3_600_000.0;
+
+/// What the policy remembers of the requests the reserve keeps room for: those with a TTFT
+/// target, of a tier that is not preemptible ("targeted" below).
+#[derive(Clone, Debug, Default)]
+struct Reserve {
+    /// Targeted requests that arrived and have not departed.
+    live: usize,
+    /// Latest arrival or departure of a targeted request.
+    last_event: Option<Timestamp>,
+    /// Smoothed idle gap (from the last targeted departure with none left to the next targeted
+    /// arrival), in microseconds.
+    mean_idle_us: Option<f64>,
+    /// Tightest TTFT target (ms) of the targeted requests since the reserve last lapsed.
+    ttft_ms: f64,
+}
+
+/// The TTFT target the reserve keeps room for, if `seq` is targeted.
+fn reserve_ttft_ms(seq: SeqView<'_>) -> Option<f64> {
+    if seq.preemptible() {
+        return None;
+    }
+    seq.slo().ttft_ms.filter(|t| t.is_finite() && *t > 0.0)
+}
+
+/// Niyama-style deadline scheduling with relegation, slack-sized chunks and a reserve for
+/// targeted arrivals.
 #[derive(Clone, Debug)]
 pub struct SloAware {
     /// Estimated fixed cost of one step, in microseconds.
@@ -78,21 +131,36 @@ pub struct SloAware {
     /// Fraction of a decode's time to its next deadline that one step may use (headroom
     /// for cost-model error).
     pace_fraction: f64,
+    /// Longest the reserve outlasts the last targeted arrival or departure, in microseconds
+    /// (0: no reserve).
+    reserve_window_us: u64,
+    /// What the reserve knows of targeted requests.
+    reserve: Reserve,
 }
 
 impl SloAware {
-    /// A policy with the given step-cost estimates and `pace_fraction` 0.9.
+    /// A policy with the given step-cost estimates, `pace_fraction` 0.9 and `reserve_window_ms`
+    /// 10,000.
     pub fn new(step_overhead_ms: f64, prefill_us_per_token: f64, min_chunk_tokens: usize) -> Self {
         Self {
             step_overhead_us: step_overhead_ms * 1e3,
             prefill_us_per_token,
             min_chunk_tokens,
             pace_fraction: 0.9,
+            reserve_window_us: ms_to_us(DEFAULT_RESERVE_WINDOW_MS),
+            reserve: Reserve::default(),
         }
     }
 
+    /// The same policy with the reserve's longest window (0: no reserve).
+    pub fn with_reserve_window_ms(mut self, ms: f64) -> Self {
+        self.reserve_window_us = ms_to_us(ms);
+        self
+    }
+
     /// Builds the policy from `{step_overhead_ms, prefill_us_per_token, min_chunk_tokens,
-    /// pace_fraction}` (defaults 8, 25, 256 and 0.9: roughly Llama-3-8B on one H200).
+    /// pace_fraction, reserve_window_ms}` (defaults 8, 25, 256, 0.9 and 10,000: the first two
+    /// roughly Llama-3-8B on one H200).
     pub fn create(
         params: &serde_yaml::Value,
         _tiers: &[TierSpec],
@@ -105,15 +173,22 @@ impl SloAware {
                 "prefill_us_per_token",
                 "min_chunk_tokens",
                 "pace_fraction",
+                "reserve_window_ms",
             ],
         )?;
         let overhead = p.f64_in("step_overhead_ms", 8.0, 0.0, 1e6)?;
         let per_token = p.f64_in("prefill_us_per_token", 25.0, 1e-6, 1e9)?;
         let min_chunk = p.u64_in("min_chunk_tokens", 256, 1, 1 << 24)? as usize;
         let pace = p.f64_in("pace_fraction", 0.9, 0.05, 1.0)?;
+        let window = p.f64_in(
+            "reserve_window_ms",
+            DEFAULT_RESERVE_WINDOW_MS,
+            0.0,
+            MAX_RESERVE_WINDOW_MS,
+        )?;
         Ok(Box::new(Self {
             pace_fraction: pace,
-            ..Self::new(overhead, per_token, min_chunk)
+            ..Self::new(overhead, per_token, min_chunk).with_reserve_window_ms(window)
         }))
     }
 
@@ -145,6 +220,95 @@ impl SloAware {
     pub fn slack_us(&self, seq: SeqView<'_>, now: Timestamp) -> Option<i64> {
         let d = self.deadline(seq)?;
         Some(d.0 as i64 - now.0 as i64 - self.work_us(seq) as i64)
+    }
+
+    /// Tokens a step that may take `left_us` affords (every token, decodes included, at
+    /// `prefill_us_per_token`).
+    fn affordable(&self, left_us: f64) -> usize {
+        ((left_us - self.step_overhead_us) / self.prefill_us_per_token).max(0.0) as usize
+    }
+
+    /// How long the reserve outlasts the last targeted arrival or departure, in microseconds.
+    fn reserve_window_us(&self) -> u64 {
+        let cap = self.reserve_window_us;
+        match self.reserve.mean_idle_us {
+            Some(idle) => ((idle * RESERVE_GAPS) as u64)
+                .max(ms_to_us(self.reserve.ttft_ms))
+                .min(cap),
+            None => cap,
+        }
+    }
+
+    /// Whether the reserve bounds a step planned at `now`.
+    fn reserve_active(&self, now: Timestamp) -> bool {
+        if self.reserve_window_us == 0 {
+            return false;
+        }
+        let r = &self.reserve;
+        r.live > 0
+            || r.last_event
+                .is_some_and(|t| now.0 < t.0.saturating_add(self.reserve_window_us()))
+    }
+
+    /// The reserve's bound on a step planned at `ctx.now` with `decodes` running decodes, if
+    /// it is active. While targeted requests wait for their first token, the step may last
+    /// until the tightest of them is due (times `pace_fraction`); otherwise half the tightest
+    /// recent TTFT target (times `pace_fraction`). Either way it keeps room for the whole
+    /// remaining prompts of those requests (or `min_chunk_tokens`, if more) besides the
+    /// decodes.
+    fn reserve_budget(&self, ctx: &StepContext<'_>, decodes: usize) -> Option<usize> {
+        if !self.reserve_active(ctx.now) {
+            return None;
+        }
+        let mut pending = 0usize;
+        let mut due: Option<f64> = None;
+        for s in ctx.running().chain(ctx.waiting()) {
+            if s.first_token_at().is_some() || reserve_ttft_ms(s).is_none() {
+                continue;
+            }
+            pending = pending.saturating_add(s.num_uncomputed_tokens());
+            if let Some(d) = self.deadline(s) {
+                let left = (d.0 as f64 - ctx.now.0 as f64).max(0.0);
+                due = Some(due.map_or(left, |t| t.min(left)));
+            }
+        }
+        let left = due.unwrap_or(self.reserve.ttft_ms * 1e3 * 0.5) * self.pace_fraction;
+        Some(
+            self.affordable(left)
+                .max(decodes.saturating_add(pending.max(self.min_chunk_tokens))),
+        )
+    }
+
+    /// A targeted request arrived.
+    fn reserve_arrived(&mut self, seq: SeqView<'_>, ttft_ms: f64) {
+        let at = seq.arrival();
+        let lapsed = !self.reserve_active(at);
+        let r = &mut self.reserve;
+        if let (0, Some(last)) = (r.live, r.last_event) {
+            let idle = at.0.saturating_sub(last.0) as f64;
+            r.mean_idle_us = Some(match r.mean_idle_us {
+                Some(m) => m + GAP_SMOOTHING * (idle - m),
+                None => idle,
+            });
+        }
+        r.last_event = Some(r.last_event.map_or(at, |t| t.max(at)));
+        r.ttft_ms = if lapsed || r.ttft_ms <= 0.0 {
+            ttft_ms
+        } else {
+            r.ttft_ms.min(ttft_ms)
+        };
+        r.live = r.live.saturating_add(1);
+    }
+
+    /// A targeted request departed: at its last token (or its arrival if it had none).
+    fn reserve_departed(&mut self, seq: SeqView<'_>) {
+        let at = [seq.first_token_at(), seq.last_token_at()]
+            .into_iter()
+            .flatten()
+            .fold(seq.arrival(), Timestamp::max);
+        let r = &mut self.reserve;
+        r.live = r.live.saturating_sub(1);
+        r.last_event = Some(r.last_event.map_or(at, |t| t.max(at)));
     }
 }
 
@@ -222,21 +386,39 @@ impl Policy for SloAware {
             let left = (d.0 as f64 - ctx.now.0 as f64).max(tpot * 1e3) * self.pace_fraction;
             tightest = Some(tightest.map_or(left, |t| t.min(left)));
         }
-        let Some(left) = tightest else {
-            return ctx.max_num_batched_tokens;
-        };
-        // Every token of the step (decodes included) costs `prefill_us_per_token`.
-        let affordable = ((left - self.step_overhead_us) / self.prefill_us_per_token).max(0.0);
-        (affordable as usize)
-            .max(decodes.saturating_add(self.min_chunk_tokens))
+        let paced = tightest.map(|left| {
+            self.affordable(left)
+                .max(decodes.saturating_add(self.min_chunk_tokens))
+        });
+        let reserved = self.reserve_budget(ctx, decodes);
+        paced
+            .into_iter()
+            .chain(reserved)
+            .min()
+            .unwrap_or(ctx.max_num_batched_tokens)
             .min(ctx.max_num_batched_tokens)
+    }
+
+    /// Keeps the reserve's account of targeted requests (see the module's notes).
+    fn observe(&mut self, event: PolicyEvent<'_>) {
+        match event {
+            PolicyEvent::Arrived(seq) => {
+                if let Some(ttft) = reserve_ttft_ms(seq) {
+                    self.reserve_arrived(seq, ttft);
+                }
+            }
+            PolicyEvent::Departed(seq) if reserve_ttft_ms(seq).is_some() => {
+                self.reserve_departed(seq);
+            }
+            _ => {}
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::testutil::{decoding, seq};
+    use crate::policy::testutil::{decoding, prefilling, seq};
     use crate::sequence::Sequence;
     use crate::types::{RequestState, SloTargets};
 
@@ -499,6 +681,7 @@ mod tests {
             max_num_seqs: 8,
             seqs: &seqs,
             running: &[0],
+            waiting: &[],
         };
         assert_eq!(p.token_budget(&ctx), 750);
         assert_eq!(want.token_budget(&ctx), 750);
@@ -512,9 +695,36 @@ mod tests {
         let tight = SloAware::create(&v, &[]).unwrap();
         assert_eq!(tight.token_budget(&late), 1 + 16);
         // Out of range is refused, naming the field.
-        let bad: serde_yaml::Value = serde_yaml::from_str("{pace_fraction: 2}").unwrap();
-        let e = SloAware::create(&bad, &[]).err().unwrap().to_string();
-        assert!(e.contains("pace_fraction"), "{e}");
+        for (bad, field) in [
+            ("{pace_fraction: 2}", "pace_fraction"),
+            ("{reserve_window_ms: -1}", "reserve_window_ms"),
+            ("{reserve_window_ms: 3600001}", "reserve_window_ms"),
+        ] {
+            let bad: serde_yaml::Value = serde_yaml::from_str(bad).unwrap();
+            let e = SloAware::create(&bad, &[]).err().unwrap().to_string();
+            assert!(e.contains(field), "{e}");
+        }
+        // reserve_window_ms: 0 keeps no reserve after a targeted request left.
+        let v: serde_yaml::Value = serde_yaml::from_str("{reserve_window_ms: 0}").unwrap();
+        let mut off = SloAware::create(&v, &[]).unwrap();
+        let mut on = SloAware::create(&serde_yaml::Value::Null, &[]).unwrap();
+        let premium = with_slo(seq(2, 0, 4), Some(100.0), None);
+        for p in [&mut off, &mut on] {
+            p.observe(PolicyEvent::Arrived(SeqView::new(&premium)));
+            p.observe(PolicyEvent::Departed(SeqView::new(&premium)));
+        }
+        let empty: Vec<Option<Sequence>> = Vec::new();
+        let idle = StepContext {
+            now: Timestamp(1_000),
+            max_num_batched_tokens: 8192,
+            max_num_seqs: 8,
+            seqs: &empty,
+            running: &[],
+            waiting: &[],
+        };
+        assert_eq!(off.token_budget(&idle), 8192);
+        // Defaults (8 ms a step, 25 us a token): (100 ms / 2 * 0.9 - 8 ms) / 25 us = 1,480.
+        assert_eq!(on.token_budget(&idle), 1_480);
     }
 
     #[test]
@@ -532,6 +742,7 @@ mod tests {
             max_num_seqs: 8,
             seqs: &seqs,
             running: &running,
+            waiting: &[],
         };
         assert_eq!(p.token_budget(&ctx), 620);
         // At 20 ms a is late: the step may take 0.9 TPOT, (4500 - 1000) / 10 = 350.
@@ -553,5 +764,187 @@ mod tests {
             seqs[0].as_ref().map(|s| s.state),
             Some(RequestState::Running)
         );
+    }
+
+    /// A step context at `now` (microseconds) with `max` tokens a step.
+    fn ctx_at<'a>(
+        seqs: &'a [Option<Sequence>],
+        running: &'a [u32],
+        waiting: &'a [u32],
+        now: u64,
+        max: usize,
+    ) -> StepContext<'a> {
+        StepContext {
+            now: Timestamp(now),
+            max_num_batched_tokens: max,
+            max_num_seqs: 8,
+            seqs,
+            running,
+            waiting,
+        }
+    }
+
+    /// `s` departs having produced its first token at `at_us`.
+    fn depart(p: &mut SloAware, s: &Sequence, at_us: u64) {
+        let done = decoding(s.clone(), 1, at_us);
+        p.observe(PolicyEvent::Departed(SeqView::new(&done)));
+    }
+
+    #[test]
+    fn the_reserve_keeps_short_steps_for_a_window_after_the_last_targeted_request() {
+        let mut p = policy();
+        let none: Vec<Option<Sequence>> = Vec::new();
+        let idle = |now| ctx_at(&none, &[], &[], now, 32_768);
+        // Nothing targeted seen yet: the full budget.
+        assert_eq!(p.token_budget(&idle(0)), 32_768);
+        // Requests without a TTFT target, or of a preemptible tier, keep no reserve.
+        let plain = seq(1, 0, 4);
+        let tpot_only = with_slo(seq(2, 0, 4), None, Some(5.0));
+        let mut batch = with_slo(seq(3, 0, 4), Some(100.0), None);
+        batch.preemptible = true;
+        for s in [&plain, &tpot_only, &batch] {
+            p.observe(PolicyEvent::Arrived(SeqView::new(s)));
+        }
+        assert_eq!(p.token_budget(&idle(1_000)), 32_768);
+        // A premium request (100 ms TTFT) arrives at 0: while it is present (here it is not
+        // among the step's sequences, as once it has its first token) a step may take half
+        // its target: (100 ms / 2 * 0.9 - 1 ms) / 10 us = 4,400 tokens.
+        let premium = with_slo(seq(4, 0, 4), Some(100.0), None);
+        p.observe(PolicyEvent::Arrived(SeqView::new(&premium)));
+        assert_eq!(p.token_budget(&idle(5_000)), 4_400);
+        // It never raises a budget the decodes' pace shrank: a decode with a 5 ms TPOT due at
+        // 10 ms affords 620 tokens at 2 ms (see budget_is_sized_by_the_tightest_decode).
+        let fast = with_slo(decoding(seq(5, 0, 4), 2, 0), None, Some(5.0));
+        // A targeted request waiting for its first token sizes the step by its own deadline
+        // (100 ms): at 5 ms, (95 ms * 0.9 - 1 ms) / 10 us = 8,450 tokens; and it keeps room for
+        // its whole prompt when that is more: at 95 ms, 6,000 tokens, not 350.
+        let long = with_slo(seq(6, 0, 6_000), Some(100.0), None);
+        p.observe(PolicyEvent::Arrived(SeqView::new(&long)));
+        let seqs = vec![Some(fast), Some(long.clone())];
+        assert_eq!(
+            p.token_budget(&ctx_at(&seqs, &[0], &[], 2_000, 32_768)),
+            620
+        );
+        assert_eq!(
+            p.token_budget(&ctx_at(&seqs, &[], &[1], 5_000, 32_768)),
+            8_450
+        );
+        assert_eq!(
+            p.token_budget(&ctx_at(&seqs, &[], &[1], 95_000, 32_768)),
+            6_000
+        );
+        // Running (a prefill chunk done) it counts the same way, its remaining prompt only.
+        let mut seqs = seqs;
+        seqs[1] = Some(prefilling(long.clone(), 1_000));
+        assert_eq!(
+            p.token_budget(&ctx_at(&seqs, &[1], &[], 95_000, 32_768)),
+            5_000
+        );
+        // Both leave, the last with its first token at 300 ms. No idle gap is known yet (no
+        // targeted request arrived after the last one left), so the reserve lasts the cap, 10 s.
+        depart(&mut p, &long, 200_000);
+        depart(&mut p, &premium, 300_000);
+        assert_eq!(p.reserve.live, 0);
+        assert_eq!(p.token_budget(&idle(10_299_999)), 4_400);
+        assert_eq!(p.token_budget(&idle(10_300_000)), 32_768);
+    }
+
+    #[test]
+    fn the_window_follows_the_idle_gaps_between_its_floor_and_cap() {
+        let none: Vec<Option<Sequence>> = Vec::new();
+        let idle = |now| ctx_at(&none, &[], &[], now, 32_768);
+        // Each request (100 ms TTFT) stays 100 ms and the next arrives 1 s after it left.
+        let serve = |p: &mut SloAware, starts: &[u64]| {
+            for (i, &at) in starts.iter().enumerate() {
+                let s = with_slo(seq(i as u64 + 1, at, 4), Some(100.0), None);
+                p.observe(PolicyEvent::Arrived(SeqView::new(&s)));
+                depart(p, &s, at + 100_000);
+            }
+        };
+        let mut p = policy();
+        serve(&mut p, &[0, 1_100_000, 2_200_000]);
+        // Idle gaps of 1 s: the window is 3 s from the last departure (2.3 s).
+        assert_eq!(p.token_budget(&idle(5_299_999)), 4_400);
+        assert_eq!(p.token_budget(&idle(5_300_000)), 32_768);
+        // The reserve lapsed: the next arrival's target sizes it alone (400 ms:
+        // (200 ms * 0.9 - 1 ms) / 10 us = 17,900), and a tighter one while it lasts wins.
+        let loose = with_slo(seq(9, 20_000_000, 4), Some(400.0), None);
+        p.observe(PolicyEvent::Arrived(SeqView::new(&loose)));
+        assert_eq!(p.token_budget(&idle(20_000_000)), 17_900);
+        let tight = with_slo(seq(10, 20_000_000, 4), Some(100.0), None);
+        p.observe(PolicyEvent::Arrived(SeqView::new(&tight)));
+        assert_eq!(p.token_budget(&idle(20_000_000)), 4_400);
+        // Closed-loop clients sending again 10 ms after an answer: the window is the TTFT
+        // target (100 ms), not 30 ms.
+        let mut p = policy();
+        serve(&mut p, &[0, 110_000, 220_000]);
+        assert_eq!(p.token_budget(&idle(419_999)), 4_400);
+        assert_eq!(p.token_budget(&idle(420_000)), 32_768);
+        // With a cap below the gaps' window, the cap decides.
+        let mut p = policy().with_reserve_window_ms(500.0);
+        serve(&mut p, &[0, 1_100_000]);
+        assert_eq!(p.token_budget(&idle(1_699_999)), 4_400);
+        assert_eq!(p.token_budget(&idle(1_700_000)), 32_768);
+    }
+
+    proptest::proptest! {
+        /// Whatever the arrivals and departures: the reserve counts exactly the targeted
+        /// requests present, only ever lowers the budget (never below `min_chunk_tokens` or
+        /// the configured limit, whichever is less), and is gone once none is present and the
+        /// cap has passed since the last one arrived or left.
+        #[test]
+        fn the_reserve_only_bounds_and_lapses(
+            events in proptest::collection::vec(
+                (0u64..3_000_000, 0u8..4, 1u32..2_000, proptest::bool::ANY),
+                1..24,
+            ),
+            max in 1usize..8_192,
+            after in 0u64..20_000_000,
+        ) {
+            let mut p = policy();
+            let mut live: Vec<Sequence> = Vec::new();
+            let mut now = 0u64;
+            let mut last = 0u64;
+            let mut targeted = 0usize;
+            for (i, &(dt, kind, ttft, leave)) in events.iter().enumerate() {
+                now += dt;
+                if leave && !live.is_empty() {
+                    let s = live.remove(0);
+                    depart(&mut p, &s, now);
+                    if reserve_ttft_ms(SeqView::new(&s)).is_some() {
+                        targeted -= 1;
+                        last = now;
+                    }
+                    continue;
+                }
+                let mut s = seq(i as u64 + 1, now, 4);
+                match kind {
+                    0 => s = with_slo(s, Some(f64::from(ttft)), None),
+                    1 => s = with_slo(s, None, Some(f64::from(ttft))),
+                    2 => {
+                        s = with_slo(s, Some(f64::from(ttft)), None);
+                        s.preemptible = true;
+                    }
+                    _ => {}
+                }
+                p.observe(PolicyEvent::Arrived(SeqView::new(&s)));
+                if kind == 0 {
+                    targeted += 1;
+                    last = now;
+                }
+                live.push(s);
+            }
+            proptest::prop_assert_eq!(p.reserve.live, targeted);
+            let none: Vec<Option<Sequence>> = Vec::new();
+            let at = now + after;
+            let budget = p.token_budget(&ctx_at(&none, &[], &[], at, max));
+            proptest::prop_assert!(budget <= max);
+            proptest::prop_assert!(budget >= p.min_chunk_tokens.min(max));
+            if targeted == 0 && at >= last + 10_000_000 {
+                proptest::prop_assert_eq!(budget, max);
+            }
+            let off = p.clone().with_reserve_window_ms(0.0);
+            proptest::prop_assert_eq!(off.token_budget(&ctx_at(&none, &[], &[], at, max)), max);
+        }
     }
 }

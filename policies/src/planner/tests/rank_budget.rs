@@ -168,3 +168,60 @@ fn a_request_that_cannot_be_seated_takes_nothing() {
     }
     assert_eq!(s.request_state(RequestId(2)), Some(RequestState::Waiting));
 }
+
+#[test]
+fn slo_aware_keeps_steps_bounded_for_a_window_after_the_last_premium_request_left() {
+    // Premium: 20 ms TTFT; 1 ms a step, 10 us a token: half the target affords
+    // (20000 / 2 * 0.9 - 1000) / 10 = 800 tokens a step. The scheduler allows 1,024.
+    let tier = |name: &str, ttft_ms: Option<f64>, preemptible: bool| TierSpec {
+        name: name.into(),
+        ttft_ms,
+        tpot_ms: None,
+        weight: 1.0,
+        preemptible,
+        max_queue_ms: None,
+        max_kv_fraction: None,
+    };
+    let first_chunk = |window: &str| {
+        let mut c = config(1024, 4);
+        c.tiers = vec![
+            tier("premium", Some(20.0), false),
+            tier("batch", None, true),
+        ];
+        let params = serde_yaml::from_str(&format!(
+            "{{step_overhead_ms: 1, prefill_us_per_token: 10, min_chunk_tokens: 8{window}}}"
+        ))
+        .unwrap();
+        let p = PolicyRegistry::with_builtins()
+            .create("slo-aware", &params, &c.tiers)
+            .unwrap();
+        let mut s = sched(c, p);
+        // A premium request of one token out arrives, runs and leaves at 0.
+        let mut premium = req(1, 0, vec![1; 4], 1);
+        premium.tier = "premium".into();
+        s.add_request(premium).unwrap();
+        step(&mut s, 0, 3);
+        assert!(matches!(
+            s.request_state(RequestId(1)),
+            Some(RequestState::Finished(_))
+        ));
+        // A batch prompt of 1,000 tokens at 1 ms: the reserve (no idle gap seen yet: its
+        // cap, 10 s by default) bounds its first chunk.
+        let mut batch = req(2, 1_000, vec![2; 1_000], 4);
+        batch.tier = "batch".into();
+        s.add_request(batch).unwrap();
+        let (p, _) = step(&mut s, 1_000, 3);
+        let first = chunk_of(&p, 2);
+        // 10 s after the premium request left, the full budget is back: with the reserve, the
+        // rest of request 2 and request 3's prompt fill 1,024 tokens.
+        let mut later = req(3, 10_000_000, vec![4; 1_000], 4);
+        later.tier = "batch".into();
+        s.add_request(later).unwrap();
+        let (p, _) = step(&mut s, 10_000_000, 3);
+        (first, p.num_batched_tokens)
+    };
+    assert_eq!(first_chunk(""), (Some(800), 1_024));
+    // reserve_window_ms 0: no reserve, the whole prompt at once (then request 2 decodes
+    // beside request 3's prompt).
+    assert_eq!(first_chunk(", reserve_window_ms: 0"), (Some(1_000), 1_001));
+}
