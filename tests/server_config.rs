@@ -609,9 +609,9 @@ fn request_metrics_carry_the_tier_and_count_slo_attainment() {
         ),
         Some(0.0)
     );
-    // A failure after queueing counts under the tier too: a grammar whose every sentence nests
-    // forever makes llguidance give up while generating (a JSON schema of that kind is refused
-    // before, as a 400).
+    // A failure after queueing counts under the tier too: a grammar whose one sentence is 2^25
+    // bytes long makes llguidance give up while generating, past its item limit (a grammar
+    // with no finite sentence at all is refused before, as a 400).
     let failed = "switchyard:request_failed_total";
     let gold_structured = [
         "tier=\"gold\"",
@@ -624,11 +624,15 @@ fn request_metrics_carry_the_tier_and_count_slo_attainment() {
         series("switchyard:request_aborted_total", &gold_a),
         Some(0.0)
     );
+    let mut huge = String::from("start: s24\ns0: \"ab\"\n");
+    for i in 1..=24 {
+        huge.push_str(&format!("s{i}: s{} s{}\n", i - 1, i - 1));
+    }
     let endless = json!({
         "messages": [{"role": "user", "content": "go"}],
         "max_tokens": 30,
         "temperature": 0,
-        "structured_outputs": {"grammar": "start: \"{\" start \"}\""}
+        "structured_outputs": {"grammar": huge}
     })
     .to_string();
     let r = s

@@ -274,6 +274,65 @@ fn a_schema_that_only_infinite_json_satisfies_is_refused() {
     );
 }
 
+/// A Lark grammar with no finite sentence (`start: "{" start "}"`) was accepted, then failed a
+/// few tokens in when the output it forced outgrew llguidance's item limit: a 500 (a stream: 200
+/// then an error event), which openai-python retries. It is a 400 naming the request's grammar
+/// field before the request starts, streamed or not; a recursion with a way out is served.
+#[test]
+fn a_grammar_with_no_finite_sentence_is_refused() {
+    let s = server();
+    let endless = "start: \"{\" start \"}\"";
+    let through = "start: a\na: \"(\" b \")\"\nb: \"[\" a \"]\" | a \"x\"";
+    let messages = json!([{"role": "user", "content": "Give an example"}]);
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 16, "guided_grammar": endless}),
+            "guided_grammar",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 16, "stream": true,
+                   "structured_outputs": {"grammar": through}}),
+            "structured_outputs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 16, "stream": true,
+                   "structured_outputs": {"grammar": endless}}),
+            "structured_outputs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 16, "guided_grammar": through}),
+            "guided_grammar",
+        ),
+    ];
+    for (path, body, param) in cases {
+        let (status, v) = s.post_json(path, &body);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains("no finite output"), "{message}");
+    }
+    let v = s.post_ok(
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 12, "temperature": 0,
+                "guided_grammar": "start: \"{\" start \"}\" | \"x\""}),
+    );
+    let text = v["choices"][0]["text"].as_str().expect("text");
+    assert!(text.chars().all(|c| "{x}".contains(c)), "{v}");
+    if v["choices"][0]["finish_reason"] == "stop" {
+        let depth = text.chars().take_while(|&c| c == '{').count();
+        assert_eq!(
+            text,
+            format!("{}x{}", "{".repeat(depth), "}".repeat(depth)),
+            "{v}"
+        );
+    }
+}
+
 #[test]
 fn an_end_token_ends_a_finished_grammar_before_min_tokens() {
     let s = server();

@@ -8,6 +8,7 @@ mod core;
 mod detokenizer;
 mod error;
 pub mod metric_names;
+mod productive;
 pub mod structured;
 #[cfg(test)]
 mod testing;

@@ -5,11 +5,12 @@
 //! One [`GrammarCompiler`] per model holds llguidance's view of the tokenizer (a token trie of
 //! every token's bytes, special tokens marked so grammars never produce them); it is built on
 //! the first structured request, not at start. Compiling a request's grammar checks it (a bad
-//! schema or regex is the client's error, and so is one whose first token mask fails: it is
-//! unsatisfiable, or beyond llguidance's limits from the start) and yields one fresh matcher
-//! per choice. At run time a matcher that fails later (it should not: every sampled token
-//! comes from its own mask) ends its sequence through the end ids rather than sampling
-//! unconstrained.
+//! schema or regex is the client's error, and so is one with no finite sentence, and one whose
+//! first token mask fails: it is unsatisfiable, or beyond llguidance's limits from the start)
+//! and yields one fresh matcher per choice. At run time a matcher that fails later (every
+//! sampled token comes from its own mask, but a grammar whose forced output is finite and huge
+//! can outgrow llguidance's per-step limits) ends its sequence through the end ids rather than
+//! sampling unconstrained.
 //!
 //! Grammars compile on a [`CompilePool`] of their own ([`LazyGrammarCompiler::compile_then`]),
 //! never on the threads that encode prompts, and the work of one compile is bounded: by
@@ -29,6 +30,7 @@ use switchyard_gpu::{Constraint, TokenConstraint};
 use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 
 use crate::metric_names as names;
+use crate::productive::check_finite_sentence;
 
 /// Most bytes of a schema, regex, grammar or all choices together in one request.
 pub const MAX_SPEC_BYTES: usize = 64 * 1024;
@@ -489,6 +491,10 @@ impl GrammarCompiler {
         let parser = self
             .factory
             .create_parser(spec.grammar())
+            .map_err(|e| format!("invalid structured output specification: {e}"))?;
+        // A grammar with no finite sentence passes its first tokens and fails later, when the
+        // output it forces outgrows llguidance's limits: refused now.
+        check_finite_sentence(parser.parser.grammar())
             .map_err(|e| format!("invalid structured output specification: {e}"))?;
         let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
@@ -1306,6 +1312,50 @@ mod tests {
                 e.starts_with("invalid structured output specification"),
                 "{spec:?}: {e}"
             );
+        }
+    }
+
+    /// A grammar with no finite sentence (every rule of `start` needs `start` again, directly
+    /// or through other rules) is refused when it compiles, naming `start`; recursions with a
+    /// way out (an alternative, an optional or repeated part, a `%json` schema) compile.
+    #[test]
+    fn grammars_with_no_finite_sentence_are_refused() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let end = [tok.eos_token_ids()[0]];
+        for grammar in [
+            "start: \"{\" start \"}\"",
+            "start: a\na: \"(\" b \")\"\nb: \"[\" a \"]\" | a \"x\"",
+            "start: \"x\" a\na: \"y\" start",
+            "start: a+\na: \"<\" a \">\"",
+            "start: \"a\" start | start \"b\"",
+        ] {
+            let spec = StructuredOutput::Grammar(grammar.to_string());
+            let e = compiler.compile(&spec, &end, 1).expect_err(grammar);
+            assert!(
+                e.starts_with("invalid structured output specification: no finite output"),
+                "{grammar}: {e}"
+            );
+        }
+        let e = compiler
+            .compile(
+                &StructuredOutput::Grammar("start: \"{\" start \"}\"".into()),
+                &end,
+                1,
+            )
+            .expect_err("refused");
+        assert!(e.contains("every rule of `start`"), "{e}");
+        for grammar in [
+            "start: \"{\" start \"}\" | \"x\"",
+            "start: a\na: \"(\" a \")\" | b\nb: \"[\" b? \"]\"",
+            "start: \"<\" start* \">\"",
+            "start: \"{\" (start \",\")* \"}\"",
+            "start: %json {\"type\": \"object\"}",
+            "start: x\nx: /[a-z]+/ x?",
+        ] {
+            let spec = StructuredOutput::Grammar(grammar.to_string());
+            let r = compiler.compile(&spec, &end, 1);
+            assert!(r.is_ok(), "{grammar}: {:?}", r.err());
         }
     }
 
