@@ -32,12 +32,12 @@
 //! The charge follows use when the share needs room, as the server's `share_step` moves it:
 //! an adapter charged to the tenant that none of its requests holds but other tenants'
 //! requests do is charged to the one of those with the most room in its share (the share of
-//! its latest request's tier; a tier without one: all the room; ties: the lowest tenant id),
+//! its latest request's tier; a tier without one: all the room; ties: the first by name),
 //! when that one has room, before any of the tenant's adapters is dropped; with none unused
 //! to drop, such an adapter's charge moves all the same, its user then beyond its share
 //! (refused while its requests use all of its adapters; its unused adapters dropped at its
-//! next load). A refusal is left only for a share whose adapters the tenant's own requests
-//! use. The eviction for `max_cpu_loras` drops the unused adapters of tenants beyond their
+//! next load). A refusal is left only for a share that the adapters the tenant's own
+//! requests use fill, decided before the read for all the steps (`share_fits`). The eviction for `max_cpu_loras` drops the unused adapters of tenants beyond their
 //! share first, then the least recently used.
 //!
 //! At the start only the pinned adapters are in memory (the server loads them as it
@@ -353,10 +353,9 @@ impl LoraMemory {
                     self.evict();
                     out.served.push((at, req));
                 }
-                // Refused before the read: the tenant's share is full of adapters in use.
-                Message::Resolve { req, charge, .. }
-                    if self.share_room(charge) == ShareRoom::Full =>
-                {
+                // Refused before the read: the tenant's share is full of adapters that no
+                // step of `make_share_room` can move or drop.
+                Message::Resolve { req, charge, .. } if !self.share_fits(charge) => {
                     self.counters.share_refusals += 1;
                     self.evict();
                     out.refused.push((at, req));
@@ -384,6 +383,14 @@ impl LoraMemory {
         *self.in_use.entry(adapter).or_default() += 1;
         let user = self.users.entry((adapter, charge.tenant)).or_default();
         *user = (user.0 + 1, charge.share);
+    }
+
+    /// `tenant`'s name (the server breaks ties between tenants by name).
+    fn name_of(&self, tenant: u32) -> Option<&str> {
+        self.tenants
+            .iter()
+            .find(|(_, &t)| t == tenant)
+            .map(|(name, _)| name.as_str())
     }
 
     /// The adapters charged to `tenant`.
@@ -427,7 +434,7 @@ impl LoraMemory {
                 let (room, to) = users
                     .into_iter()
                     .map(|u| (room(&u), u))
-                    .min_by_key(|(room, u)| (std::cmp::Reverse(*room), u.tenant))?;
+                    .min_by_key(|(room, u)| (std::cmp::Reverse(*room), self.name_of(u.tenant)))?;
                 Some((room, used(&a), a, to))
             })
             .collect();
@@ -449,6 +456,31 @@ impl LoraMemory {
             .into_iter()
             .min_by_key(|(room, used, ..)| (std::cmp::Reverse(*room), *used))
             .map_or(ShareRoom::Full, |(_, _, a, to)| ShareRoom::Move(a, to))
+    }
+
+    /// Whether [`Self::make_share_room`] ends with room in `charge`'s tenant's share (the
+    /// server's `share_fits`): each of its steps moves or drops one of the tenant's adapters,
+    /// and every one that no request holds, or that only other tenants' requests hold, can go;
+    /// so there is room unless those held by the tenant's own requests fill the share.
+    fn share_fits(&self, charge: Charge) -> bool {
+        let Some(share) = charge.share else {
+            return true;
+        };
+        let stay = self
+            .owner
+            .iter()
+            .filter(|(a, o)| {
+                o.tenant == charge.tenant
+                    && self.in_use.contains_key(a)
+                    && (self
+                        .users
+                        .range((**a, 0)..=(**a, u32::MAX))
+                        .next()
+                        .is_none()
+                        || self.users.contains_key(&(**a, charge.tenant)))
+            })
+            .count();
+        stay < share
     }
 
     /// Makes room in `charge`'s tenant's share for one more adapter, as [`Self::share_room`]
@@ -832,6 +864,62 @@ mod tests {
         assert_eq!(m.counters().share_transfers, 1);
     }
 
+    /// Regression (as the server's): the check before a read looked at the first step only,
+    /// so a tenant beyond its share whose one movable adapter would not make room (its other
+    /// one in use by its own request) had its adapter read and was refused after the read. It
+    /// is refused before the read now.
+    #[test]
+    fn a_share_that_moving_charges_cannot_free_is_refused_before_the_read() {
+        let mut m = memory(8, &[]);
+        let (a, b, c) = (("a", Some(1)), ("b", Some(1)), ("c", Some(1)));
+        // b holds its 20, c its 30; a reads 1, then b and c keep it busy.
+        for (t, (adapter, tenant)) in [(20, b), (30, c), (1, a)].into_iter().enumerate() {
+            let t = t as u64 * LOAD;
+            assert!(!ask_as(&mut m, t, adapter, adapter as usize, tenant).0);
+            run_to(&mut m, t + LOAD);
+        }
+        m.release(1, "a");
+        assert!(ask_as(&mut m, 3 * LOAD, 1, 10, b).0);
+        assert!(ask_as(&mut m, 3 * LOAD, 1, 11, c).0);
+        // Both users' shares are full: 1 moves beyond b's (first by name) for a's load of 2.
+        assert!(!ask_as(&mut m, 3 * LOAD, 2, 12, a).0);
+        assert_eq!(run_to(&mut m, 4 * LOAD), vec![(4 * LOAD, 12)]);
+        assert_eq!(m.owner[&1].tenant, m.tenants["b"]);
+        // Only c uses 1 now; b uses 20: moving 1 would leave 20 filling b's share.
+        m.release(1, "b");
+        let loads = m.counters().loads;
+        let (_, out) = ask_as(&mut m, 4 * LOAD, 3, 13, b);
+        assert_eq!(out.refused, vec![(4 * LOAD, 13)]);
+        assert_eq!(m.next_event(), None, "no read");
+        assert_eq!(m.owner[&1].tenant, m.tenants["b"]);
+        // With 20 released the same load makes room (1 to c, beyond; 20 dropped).
+        m.release(20, "b");
+        assert!(!ask_as(&mut m, 4 * LOAD, 3, 14, b).0);
+        assert_eq!(run_to(&mut m, 5 * LOAD), vec![(5 * LOAD, 14)]);
+        assert_eq!(m.counters().loads, loads + 1);
+        assert_eq!(m.owner[&1].tenant, m.tenants["c"]);
+    }
+
+    /// Regression: between users with as little room, the charge moved to the one seen first
+    /// (the lowest id), where the server's `share_step` takes the first by name.
+    #[test]
+    fn a_tie_between_users_goes_to_the_first_by_name_as_on_the_server() {
+        let mut m = memory(8, &[]);
+        let (a, b, z) = (("a", Some(1)), ("b", Some(1)), ("z", Some(1)));
+        // b is seen before a; both fill their shares.
+        for (t, (adapter, tenant)) in [(20, b), (30, a), (1, z)].into_iter().enumerate() {
+            let t = t as u64 * LOAD;
+            assert!(!ask_as(&mut m, t, adapter, adapter as usize, tenant).0);
+            run_to(&mut m, t + LOAD);
+        }
+        m.release(1, "z");
+        assert!(ask_as(&mut m, 3 * LOAD, 1, 10, b).0);
+        assert!(ask_as(&mut m, 3 * LOAD, 1, 11, a).0);
+        assert!(!ask_as(&mut m, 3 * LOAD, 2, 12, z).0);
+        assert_eq!(run_to(&mut m, 4 * LOAD), vec![(4 * LOAD, 12)]);
+        assert_eq!(m.owner[&1].tenant, m.tenants["a"]);
+    }
+
     /// An operation of the property test.
     #[derive(Clone, Debug)]
     enum Op {
@@ -932,15 +1020,17 @@ mod tests {
                     let t = tenant_of[&req];
                     let share = shares[t];
                     prop_assert!(share.is_some());
-                    // Refused only with a share full of adapters its own requests hold.
+                    // Refused only with a share full of adapters its own requests hold
+                    // (others, which moves would free, may be charged to it beside them).
                     let theirs = charged_to(t);
-                    prop_assert!(theirs.len() >= share.unwrap_or(0), "t{t}: {theirs:?}");
-                    for a in theirs {
-                        prop_assert!(
-                            holding.iter().any(|h| h.1 == a && h.2 == t),
-                            "t{t} refused, its {a} held by none of its requests"
-                        );
-                    }
+                    let own = theirs
+                        .iter()
+                        .filter(|&&a| holding.iter().any(|h| h.1 == a && h.2 == t))
+                        .count();
+                    prop_assert!(
+                        own >= share.unwrap_or(0),
+                        "t{t} refused, {own} of its {theirs:?} held by its requests"
+                    );
                     refusals += 1;
                 }
                 prop_assert_eq!(m.counters().share_refusals, refusals);

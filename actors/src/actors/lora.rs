@@ -52,7 +52,8 @@
 //! share drops the tenant's own least recently used one that no request holds once the new
 //! one has loaded (so a load that fails drops nothing; chosen and dropped under one write
 //! lock, as every eviction), and is refused before any read ([`LoraError::TenantShare`], a
-//! 429) when every one is in use by the tenant's own requests. An adapter of the tenant's
+//! 429) when the ones the tenant's own requests use fill the share ([`share_fits`]: every one,
+//! for a tenant within its share). An adapter of the tenant's
 //! that only other tenants' requests use (each request holds an [`AdapterUser`] mark beside
 //! the weights) is not held against it: its charge moves to one of those tenants (one with room
 //! in its share before any of the tenant's own adapters is dropped; with nothing to drop, one
@@ -529,8 +530,9 @@ enum Keep {
 /// What [`LoraManager::make_share_room`] does in a tenant's full share.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ShareRoom {
-    /// Only decides: refuses when every adapter of the share is in use by the tenant's own
-    /// requests (or by no tenant's); moves and drops nothing.
+    /// Only decides: refuses when the share's adapters that no step can move or drop (in use
+    /// by the tenant's own requests, or by no tenant's) fill it ([`share_fits`]); moves and
+    /// drops nothing.
     Check,
     /// Makes room: moves charges to other tenants using the adapters and drops the tenant's
     /// least recently used unused adapters ([`share_step`]) until the share has room.
@@ -636,6 +638,28 @@ fn share_step(
         .map_or(ShareStep::Full, |(_, _, name, to)| {
             ShareStep::Move(name, to)
         })
+}
+
+/// Whether [`share_step`]'s steps end with room in `tenant`'s share (`limit` adapters): each
+/// moves or drops one of its adapters, and every one that no request holds, or that only other
+/// tenants' requests hold, can go; so there is room unless the ones that must stay (held by
+/// the tenant's own requests, or by no tenant's) fill the share.
+fn share_fits(state: &RegistryState, tenant: &str, limit: usize) -> bool {
+    let pinned = |name: &str| state.adapters.iter().any(|a| a.pinned && a.name == name);
+    let stay = state
+        .resident
+        .iter()
+        .filter(|(name, r)| {
+            r.owner.as_ref().is_some_and(|o| &*o.tenant == tenant)
+                && !pinned(name)
+                && Arc::strong_count(&r.adapter) != 1
+        })
+        .filter(|(_, r)| {
+            let holders = r.holders();
+            holders.is_empty() || holders.iter().any(|h| &*h.tenant == tenant)
+        })
+        .count();
+    stay < limit
 }
 
 /// The LoRA manager actor.
@@ -1195,7 +1219,7 @@ impl LoraManager {
     /// memory: its own loads then make room); when every one is in use by the tenant's own
     /// requests (or by no tenant's), the load is refused ([`LoraError::TenantShare`]). Never
     /// another tenant's adapter dropped. With [`ShareRoom::Check`] nothing changes: only the
-    /// refusal is decided (before a read).
+    /// refusal is decided (before a read), for all the steps to come ([`share_fits`]).
     fn make_share_room(
         &mut self,
         charge: Option<&Charge>,
@@ -1215,11 +1239,16 @@ impl LoraManager {
                 // under the read lock, so none can take up the victim, or start using an
                 // adapter whose charge moves, in between.
                 let mut state = self.registry.0.state.write();
-                let step = share_step(&state, &shares, &charge.tenant, limit);
-                if step == ShareStep::Room || (step != ShareStep::Full && room == ShareRoom::Check)
-                {
-                    return Ok(());
-                }
+                let step = match (share_step(&state, &shares, &charge.tenant, limit), room) {
+                    (ShareStep::Room, _) => return Ok(()),
+                    // Decided for all the steps to come, not the first only: moving one charge
+                    // may leave the share full of adapters that must stay.
+                    (_, ShareRoom::Check) if share_fits(&state, &charge.tenant, limit) => {
+                        return Ok(())
+                    }
+                    (_, ShareRoom::Check) => ShareStep::Full,
+                    (step, ShareRoom::Make) => step,
+                };
                 match step {
                     ShareStep::Room => return Ok(()),
                     ShareStep::Full => {

@@ -1143,3 +1143,50 @@ fn a_charge_moves_to_the_user_with_the_most_room() {
         "{e:?}"
     );
 }
+
+/// Regression: the check before a read looked at the first step only, so a tenant charged
+/// beyond its share (two adapters, share 1) whose one movable adapter would not make room, its
+/// other one in use by its own request, had its adapter read from disk and was refused only
+/// after the read (the charge moved all the same). It is refused before the read now, and
+/// nothing moves.
+#[test]
+fn a_share_that_moving_charges_cannot_free_is_refused_before_the_read() {
+    let root = AdapterCopy::new("share-check");
+    for name in ["c", "w", "x", "y", "z"] {
+        copy_into(&root.0, name);
+    }
+    let mut c = config(16, 8);
+    c.adapter_dirs = vec![root.0.clone()];
+    c.tenant_shares = vec![("gold".into(), 1)];
+    let mut m = LoraManager::new(c, LoraRegistry::default());
+    let charge = |tenant: &str| Charge {
+        tenant: tenant.into(),
+        tier: "gold".into(),
+    };
+    let (acme, bob, carol) = (charge("acme"), charge("bob"), charge("carol"));
+    let bob_w = m.resolve_for("w", Some(&bob)).expect("w");
+    let carol_c = m.resolve_for("c", Some(&carol)).expect("c");
+    drop(m.resolve_for("x", Some(&acme)).expect("x"));
+    let bob_x = m.resolve_for("x", Some(&bob)).expect("x for bob");
+    let carol_x = m.resolve_for("x", Some(&carol)).expect("x for carol");
+    // Both users' shares are full: x moves beyond bob's (first by name).
+    m.resolve_for("y", Some(&acme)).expect("y");
+    assert!(owners(&m).contains(&("x".into(), Some("bob".into()))));
+    // Only carol uses x now; bob uses w. Moving x would leave w, in use, filling bob's share.
+    drop(bob_x);
+    let reads = m.reads;
+    let e = m
+        .resolve_for("z", Some(&bob))
+        .expect_err("bob's w is in use");
+    assert!(
+        matches!(e, LoraError::TenantShare { limit: 1, .. }),
+        "{e:?}"
+    );
+    assert_eq!(m.reads, reads, "refused before reading z");
+    assert!(owners(&m).contains(&("x".into(), Some("bob".into()))));
+    // With w released, the same load makes room (x to carol, beyond; w dropped).
+    drop(bob_w);
+    m.resolve_for("z", Some(&bob)).expect("z");
+    assert_eq!(m.reads, reads + 1);
+    drop((carol_c, carol_x));
+}

@@ -158,12 +158,52 @@ fn min_items_have_instances(
     if min == 0 {
         return true;
     }
-    // A tuple's leading items (`prefixItems`, or draft 4's `items` list) come first.
-    let (prefix, rest) = match (obj.get("prefixItems"), obj.get("items")) {
-        (Some(Value::Array(prefix)), rest) => (prefix.as_slice(), rest),
-        (None, Some(Value::Array(prefix))) => (prefix.as_slice(), obj.get("additionalItems")),
-        (_, rest) => (&[][..], rest),
+    // A tuple's leading items come first, read as llguidance reads them: in a schema of draft
+    // 2019-09 or earlier (its root's `$schema`), or with an `items` list or `additionalItems`,
+    // an `items` list then `additionalItems` for the rest, or `items` for all (`prefixItems` is
+    // not read); else 2020-12's `prefixItems`, then `items`.
+    let items = obj.get("items");
+    let (prefix, rest) = if before_2020_12(root)
+        || obj.contains_key("additionalItems")
+        || matches!(items, Some(Value::Array(_)))
+    {
+        match items {
+            Some(Value::Array(prefix)) => (prefix.as_slice(), obj.get("additionalItems")),
+            _ => (&[][..], items),
+        }
+    } else {
+        match obj.get("prefixItems") {
+            Some(Value::Array(prefix)) => (prefix.as_slice(), items),
+            _ => (&[][..], items),
+        }
     };
+    tuple_has_instances(root, min, prefix, rest, targets)
+}
+
+/// Whether the schema's root `$schema` names a draft before 2020-12 (as llguidance detects
+/// it: any other value, or none, is 2020-12).
+fn before_2020_12(root: &Value) -> bool {
+    let Some(Value::String(draft)) = root.get("$schema") else {
+        return false;
+    };
+    matches!(
+        draft.trim_end_matches('#'),
+        "https://json-schema.org/draft/2019-09/schema"
+            | "http://json-schema.org/draft-07/schema"
+            | "http://json-schema.org/draft-06/schema"
+            | "http://json-schema.org/draft-04/schema"
+    )
+}
+
+/// Whether `min` items have finite instances, the first ones described by `prefix`, the
+/// others by `rest`.
+fn tuple_has_instances(
+    root: &Value,
+    min: u64,
+    prefix: &[Value],
+    rest: Option<&Value>,
+    targets: &BTreeMap<String, bool>,
+) -> bool {
     let needed = usize::try_from(min).unwrap_or(usize::MAX);
     if !prefix
         .iter()
@@ -203,6 +243,9 @@ mod tests {
                     {"type": "object", "properties": {"b": {"$ref": "#"}}, "required": ["b"]}]}},
                    "required": ["a"]}),
             json!({"type": "object", "properties": {"a": false}, "required": ["a"]}),
+            json!({"type": "array", "minItems": 1, "prefixItems": [{"$ref": "#"}]}),
+            json!({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+                   "minItems": 2, "items": [{}], "additionalItems": {"$ref": "#"}}),
         ] {
             let e = check_finite_schema("response_format", &schema).unwrap_err();
             let body = e.to_body().error;
@@ -244,6 +287,14 @@ mod tests {
                    "required": ["a"]}),
             json!(true),
             json!({}),
+            // `prefixItems` is not read beside `additionalItems` or an `items` list (draft
+            // 2019-09's tuples, as llguidance reads them), nor where `$schema` names an earlier
+            // draft: `[{}]` satisfies these.
+            json!({"type": "array", "minItems": 1, "prefixItems": [false], "items": {},
+                   "additionalItems": {}}),
+            json!({"type": "array", "minItems": 1, "prefixItems": [false], "items": [{}]}),
+            json!({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+                   "minItems": 1, "prefixItems": [false]}),
         ] {
             assert!(!refused(schema.clone()), "{schema}");
         }
