@@ -352,6 +352,34 @@ fn copy_into(root: &Path, name: &str) {
     }
 }
 
+/// A manager finding the adapters `names` (copies of the test adapter) in a fresh directory
+/// `dir`, keeping at most `max_loaded` in memory, with tier `shares`' shares of adapters per
+/// tenant. The copy lives as long as the returned guard.
+fn sharing(
+    dir: &str,
+    names: &[&str],
+    max_loaded: usize,
+    shares: &[(&str, usize)],
+) -> (AdapterCopy, LoraManager) {
+    let root = AdapterCopy::new(dir);
+    for name in names {
+        copy_into(&root.0, name);
+    }
+    let mut c = config(16, max_loaded);
+    c.adapter_dirs = vec![root.0.clone()];
+    c.tenant_shares = shares.iter().map(|&(t, n)| (t.into(), n)).collect();
+    let m = LoraManager::new(c, LoraRegistry::default());
+    (root, m)
+}
+
+/// A request of `tenant` in tier `tier`.
+fn charge(tenant: &str, tier: &str) -> Charge {
+    Charge {
+        tenant: tenant.into(),
+        tier: tier.into(),
+    }
+}
+
 /// A request for `name`, an adapter of a directory: resolved (registered and read on the
 /// first), its weights let go at once; its registration.
 fn found(m: &mut LoraManager, name: &str) -> Result<AdapterInfo, LoraError> {
@@ -512,19 +540,9 @@ fn two_name_checks_of_found_adapters_while_memory_is_full_read_each_adapter_once
 /// charged; a lowered share is applied at the tenant's next load.
 #[test]
 fn a_tenant_s_loads_recycle_its_own_share_and_never_evict_another_tenant_s_adapters() {
-    let root = AdapterCopy::new("share");
-    for name in ["a1", "a2", "a3", "b1"] {
-        copy_into(&root.0, name);
-    }
-    let mut c = config(16, 8);
-    c.adapter_dirs = vec![root.0.clone()];
-    c.tenant_shares = vec![("gold".into(), 2)];
-    let mut m = LoraManager::new(c, LoraRegistry::default());
-    let charge = |tenant: &str| Charge {
-        tenant: tenant.into(),
-        tier: "gold".into(),
-    };
-    let (acme, bob) = (charge("acme"), charge("bob"));
+    let (_root, mut m) = sharing("share", &["a1", "a2", "a3", "b1"], 8, &[("gold", 2)]);
+    let gold = |tenant: &str| charge(tenant, "gold");
+    let (acme, bob) = (gold("acme"), gold("bob"));
     let serve = |m: &mut LoraManager, name: &str, who: &Charge| m.resolve_for(name, Some(who));
     serve(&mut m, "b1", &bob).expect("b1");
     serve(&mut m, "a1", &acme).expect("a1");
@@ -558,15 +576,7 @@ fn a_tenant_s_loads_recycle_its_own_share_and_never_evict_another_tenant_s_adapt
     serve(&mut m, "a1", &acme).expect("a1");
     assert_eq!(m.loaded(), ["b1", "a1"]);
     // Without a charge, or in a tier without a share, nothing is bounded.
-    serve(
-        &mut m,
-        "a2",
-        &Charge {
-            tenant: "acme".into(),
-            tier: "free".into(),
-        },
-    )
-    .expect("a2");
+    serve(&mut m, "a2", &charge("acme", "free")).expect("a2");
     m.resolve("a3").expect("a3");
     assert_eq!(m.loaded(), ["b1", "a2", "a3", "a1"]);
 }
@@ -590,10 +600,7 @@ fn a_failed_load_drops_none_of_the_tenant_s_adapters() {
     c.adapter_dirs = vec![root.0.clone()];
     c.tenant_shares = vec![("gold".into(), 1)];
     let mut m = LoraManager::new(c, LoraRegistry::default());
-    let acme = Charge {
-        tenant: "acme".into(),
-        tier: "gold".into(),
-    };
+    let acme = charge("acme", "gold");
     m.resolve_for("a1", Some(&acme)).expect("a1");
     let reads = m.reads;
     m.resolve_for("bad", Some(&acme)).expect_err("broken files");
@@ -984,19 +991,9 @@ fn owners(m: &LoraManager) -> Vec<(String, Option<String>)> {
 /// charge moved to is bounded by its share from then on.
 #[test]
 fn an_adapter_only_other_tenants_use_moves_its_charge_to_them() {
-    let root = AdapterCopy::new("share-move");
-    for name in ["x", "y", "z"] {
-        copy_into(&root.0, name);
-    }
-    let mut c = config(16, 8);
-    c.adapter_dirs = vec![root.0.clone()];
-    c.tenant_shares = vec![("gold".into(), 1)];
-    let mut m = LoraManager::new(c, LoraRegistry::default());
-    let charge = |tenant: &str| Charge {
-        tenant: tenant.into(),
-        tier: "gold".into(),
-    };
-    let (acme, bob) = (charge("acme"), charge("bob"));
+    let (_root, mut m) = sharing("share-move", &["x", "y", "z"], 8, &[("gold", 1)]);
+    let gold = |tenant: &str| charge(tenant, "gold");
+    let (acme, bob) = (gold("acme"), gold("bob"));
     // acme reads x; bob's request takes it from memory (uncharged) and keeps it busy.
     drop(m.resolve_for("x", Some(&acme)).expect("x"));
     let bob_x = m.resolve_for("x", Some(&bob)).expect("x for bob");
@@ -1051,19 +1048,14 @@ fn an_adapter_only_other_tenants_use_moves_its_charge_to_them() {
 /// older adapter within another tenant's share).
 #[test]
 fn a_tenant_keeping_another_s_adapter_busy_is_charged_for_it_beyond_its_share() {
-    let root = AdapterCopy::new("share-beyond");
-    for name in ["c", "w", "x", "y", "z"] {
-        copy_into(&root.0, name);
-    }
-    let mut c = config(16, 3);
-    c.adapter_dirs = vec![root.0.clone()];
-    c.tenant_shares = vec![("gold".into(), 1)];
-    let mut m = LoraManager::new(c, LoraRegistry::default());
-    let charge = |tenant: &str| Charge {
-        tenant: tenant.into(),
-        tier: "gold".into(),
-    };
-    let (acme, bob, carol) = (charge("acme"), charge("bob"), charge("carol"));
+    let (_root, mut m) = sharing(
+        "share-beyond",
+        &["c", "w", "x", "y", "z"],
+        3,
+        &[("gold", 1)],
+    );
+    let gold = |tenant: &str| charge(tenant, "gold");
+    let (acme, bob, carol) = (gold("acme"), gold("bob"), gold("carol"));
     drop(m.resolve_for("c", Some(&carol)).expect("c"));
     let bob_w = m.resolve_for("w", Some(&bob)).expect("w");
     drop(m.resolve_for("x", Some(&acme)).expect("x"));
@@ -1105,23 +1097,15 @@ fn a_tenant_keeping_another_s_adapter_busy_is_charged_for_it_beyond_its_share() 
 /// any with room; and a full share whose adapters only requests of no tenant use is refused.
 #[test]
 fn a_charge_moves_to_the_user_with_the_most_room() {
-    let root = AdapterCopy::new("share-room");
-    for name in ["b1", "x", "y", "z"] {
-        copy_into(&root.0, name);
-    }
-    let mut c = config(16, 8);
-    c.adapter_dirs = vec![root.0.clone()];
-    c.tenant_shares = vec![("gold".into(), 1), ("silver".into(), 2)];
-    let mut m = LoraManager::new(c, LoraRegistry::default());
-    let gold = |tenant: &str| Charge {
-        tenant: tenant.into(),
-        tier: "gold".into(),
-    };
+    let (_root, mut m) = sharing(
+        "share-room",
+        &["b1", "x", "y", "z"],
+        8,
+        &[("gold", 1), ("silver", 2)],
+    );
+    let gold = |tenant: &str| charge(tenant, "gold");
     let (acme, bob) = (gold("acme"), gold("bob"));
-    let dan = Charge {
-        tenant: "dan".into(),
-        tier: "silver".into(),
-    };
+    let dan = charge("dan", "silver");
     // bob's share is full (b1, in use); dan's has room: x goes to dan, though bob is first
     // by name.
     let bob_b1 = m.resolve_for("b1", Some(&bob)).expect("b1");
@@ -1151,19 +1135,9 @@ fn a_charge_moves_to_the_user_with_the_most_room() {
 /// nothing moves.
 #[test]
 fn a_share_that_moving_charges_cannot_free_is_refused_before_the_read() {
-    let root = AdapterCopy::new("share-check");
-    for name in ["c", "w", "x", "y", "z"] {
-        copy_into(&root.0, name);
-    }
-    let mut c = config(16, 8);
-    c.adapter_dirs = vec![root.0.clone()];
-    c.tenant_shares = vec![("gold".into(), 1)];
-    let mut m = LoraManager::new(c, LoraRegistry::default());
-    let charge = |tenant: &str| Charge {
-        tenant: tenant.into(),
-        tier: "gold".into(),
-    };
-    let (acme, bob, carol) = (charge("acme"), charge("bob"), charge("carol"));
+    let (_root, mut m) = sharing("share-check", &["c", "w", "x", "y", "z"], 8, &[("gold", 1)]);
+    let gold = |tenant: &str| charge(tenant, "gold");
+    let (acme, bob, carol) = (gold("acme"), gold("bob"), gold("carol"));
     let bob_w = m.resolve_for("w", Some(&bob)).expect("w");
     let carol_c = m.resolve_for("c", Some(&carol)).expect("c");
     drop(m.resolve_for("x", Some(&acme)).expect("x"));
