@@ -568,6 +568,16 @@ mod tests {
         (now_resident, out)
     }
 
+    /// Reads each of `loads` (an adapter, for a request numbered as it, of a tenant) in turn,
+    /// one load time apart, starting at 0; the reads keep their requests.
+    fn read_in_turn(m: &mut LoraMemory, loads: &[(u32, (&str, Option<usize>))]) {
+        for (i, &(adapter, tenant)) in loads.iter().enumerate() {
+            let t = i as u64 * LOAD;
+            assert!(!ask_as(m, t, adapter, adapter as usize, tenant).0);
+            run_to(m, t + LOAD);
+        }
+    }
+
     /// Runs the manager up to `now`; the requests served.
     fn run_to(m: &mut LoraMemory, now: u64) -> Vec<(u64, usize)> {
         let out = answers_to(m, now);
@@ -834,11 +844,7 @@ mod tests {
     fn a_tenant_keeping_another_s_adapter_busy_is_charged_beyond_its_share() {
         let mut m = memory(3, &[]);
         let (a, b, c) = (("a", Some(1)), ("b", Some(1)), ("c", Some(1)));
-        for (t, (adapter, tenant)) in [(30, c), (20, b), (1, a)].into_iter().enumerate() {
-            let t = t as u64 * LOAD;
-            assert!(!ask_as(&mut m, t, adapter, adapter as usize, tenant).0);
-            run_to(&mut m, t + LOAD);
-        }
+        read_in_turn(&mut m, &[(30, c), (20, b), (1, a)]);
         m.release(30, "c");
         m.release(1, "a");
         // b holds its 20 and a's 1; a holds nothing: a's load of 2 is served, 1 goes to b
@@ -873,11 +879,7 @@ mod tests {
         let mut m = memory(8, &[]);
         let (a, b, c) = (("a", Some(1)), ("b", Some(1)), ("c", Some(1)));
         // b holds its 20, c its 30; a reads 1, then b and c keep it busy.
-        for (t, (adapter, tenant)) in [(20, b), (30, c), (1, a)].into_iter().enumerate() {
-            let t = t as u64 * LOAD;
-            assert!(!ask_as(&mut m, t, adapter, adapter as usize, tenant).0);
-            run_to(&mut m, t + LOAD);
-        }
+        read_in_turn(&mut m, &[(20, b), (30, c), (1, a)]);
         m.release(1, "a");
         assert!(ask_as(&mut m, 3 * LOAD, 1, 10, b).0);
         assert!(ask_as(&mut m, 3 * LOAD, 1, 11, c).0);
@@ -907,11 +909,7 @@ mod tests {
         let mut m = memory(8, &[]);
         let (a, b, z) = (("a", Some(1)), ("b", Some(1)), ("z", Some(1)));
         // b is seen before a; both fill their shares.
-        for (t, (adapter, tenant)) in [(20, b), (30, a), (1, z)].into_iter().enumerate() {
-            let t = t as u64 * LOAD;
-            assert!(!ask_as(&mut m, t, adapter, adapter as usize, tenant).0);
-            run_to(&mut m, t + LOAD);
-        }
+        read_in_turn(&mut m, &[(20, b), (30, a), (1, z)]);
         m.release(1, "z");
         assert!(ask_as(&mut m, 3 * LOAD, 1, 10, b).0);
         assert!(ask_as(&mut m, 3 * LOAD, 1, 11, a).0);

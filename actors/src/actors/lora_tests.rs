@@ -36,6 +36,15 @@ impl AdapterCopy {
         }
         AdapterCopy(dir)
     }
+
+    /// A copy whose directory also holds copies of the test adapter named `names`.
+    fn holding(tag: &str, names: &[&str]) -> Self {
+        let root = Self::new(tag);
+        for name in names {
+            copy_into(&root.0, name);
+        }
+        root
+    }
 }
 
 impl Drop for AdapterCopy {
@@ -361,10 +370,7 @@ fn sharing(
     max_loaded: usize,
     shares: &[(&str, usize)],
 ) -> (AdapterCopy, LoraManager) {
-    let root = AdapterCopy::new(dir);
-    for name in names {
-        copy_into(&root.0, name);
-    }
+    let root = AdapterCopy::holding(dir, names);
     let mut c = config(16, max_loaded);
     c.adapter_dirs = vec![root.0.clone()];
     c.tenant_shares = shares.iter().map(|&(t, n)| (t.into(), n)).collect();
@@ -446,10 +452,7 @@ fn adapters_in_the_directories_are_found_on_demand() {
 
 #[test]
 fn found_adapters_make_room_for_each_other_but_not_for_adapters_in_use() {
-    let root = AdapterCopy::new("room");
-    for name in ["d1", "d2", "d3"] {
-        copy_into(&root.0, name);
-    }
+    let root = AdapterCopy::holding("room", &["d1", "d2", "d3"]);
     let mut m = finder(2, 2, &[&root.0]);
     m.register("configured", &fixture()).expect("configured");
     found(&mut m, "d1").unwrap();
@@ -512,10 +515,7 @@ fn an_adapter_found_while_memory_is_full_of_adapters_in_use_is_served() {
 /// it a second time. A check reads nothing; each request reads its adapter once.
 #[test]
 fn two_name_checks_of_found_adapters_while_memory_is_full_read_each_adapter_once() {
-    let root = AdapterCopy::new("found-two-checks");
-    for name in ["d1", "d2"] {
-        copy_into(&root.0, name);
-    }
+    let root = AdapterCopy::holding("found-two-checks", &["d1", "d2"]);
     let mut m = finder(8, 1, &[&root.0]);
     m.register("configured", &fixture()).expect("configured");
     let (_, held) = m.resolve("configured").expect("configured");
@@ -587,10 +587,7 @@ fn a_tenant_s_loads_recycle_its_own_share_and_never_evict_another_tenant_s_adapt
 /// adapters in use is still refused before any read.
 #[test]
 fn a_failed_load_drops_none_of_the_tenant_s_adapters() {
-    let root = AdapterCopy::new("share-fail");
-    for name in ["a1", "a2", "bad"] {
-        copy_into(&root.0, name);
-    }
+    let root = AdapterCopy::holding("share-fail", &["a1", "a2", "bad"]);
     std::fs::write(
         root.0.join("bad/adapter_model.safetensors"),
         b"not safetensors",
@@ -685,10 +682,7 @@ fn an_adapter_for_another_base_model_is_served_and_flagged() {
 /// could go, and unloading one only let the next request find it again.
 #[test]
 fn found_adapters_make_room_for_an_operators_adapter_unless_all_are_in_use() {
-    let root = AdapterCopy::new("room-admin");
-    for name in ["d1", "d2"] {
-        copy_into(&root.0, name);
-    }
+    let root = AdapterCopy::holding("room-admin", &["d1", "d2"]);
     let mut m = finder(2, 2, &[&root.0]);
     found(&mut m, "d1").unwrap();
     found(&mut m, "d2").unwrap();
@@ -740,10 +734,7 @@ fn a_broken_found_adapter_unregisters_nothing() {
 /// room for another registration as any found adapter, so a pinned adapter vanished.
 #[test]
 fn a_pinned_found_adapter_is_never_unregistered_to_make_room() {
-    let root = AdapterCopy::new("room-pinned");
-    for name in ["d1", "d2"] {
-        copy_into(&root.0, name);
-    }
+    let root = AdapterCopy::holding("room-pinned", &["d1", "d2"]);
     let mut m = finder(2, 2, &[&root.0]);
     found(&mut m, "d1").unwrap();
     found(&mut m, "d2").unwrap();
@@ -765,10 +756,7 @@ fn a_pinned_found_adapter_is_never_unregistered_to_make_room() {
 
 #[test]
 fn a_found_adapter_whose_files_went_is_found_again_as_its_directory_says() {
-    let root = AdapterCopy::new("gone");
-    for name in ["d1", "d2", "d3"] {
-        copy_into(&root.0, name);
-    }
+    let root = AdapterCopy::holding("gone", &["d1", "d2", "d3"]);
     let mut m = finder(8, 1, &[&root.0]);
     found(&mut m, "d1").unwrap();
     found(&mut m, "d2").unwrap();
