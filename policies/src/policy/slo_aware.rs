@@ -40,7 +40,10 @@
 //!   tightest of them is due (Niyama's TTFT-sized chunks: a loose target lets a long step of
 //!   batch prefills run before the first token rather than between its decodes); otherwise
 //!   half the tightest recent TTFT target, so that the step an arrival waits out and its own
-//!   first step share the target. Both times `pace_fraction`, and never below the whole
+//!   first step share the target, but never less than the estimated first step of the
+//!   shortest recent targeted prompt (where half the target cannot hold that step, the target
+//!   is missed whatever the bound, and shorter steps only multiply the fixed cost per step for
+//!   the batch work). Both times `pace_fraction`, and never below the whole
 //!   remaining prompts of the targeted requests still waiting for their first token (a
 //!   bounded step does not chunk them) or `min_chunk_tokens`, plus the decodes. The window is
 //!   three times the mean idle gap seen so far (from the moment no targeted request was
@@ -108,6 +111,8 @@ struct Reserve {
     mean_idle_us: Option<f64>,
     /// Tightest TTFT target (ms) of the targeted requests since the reserve last lapsed.
     ttft_ms: f64,
+    /// Shortest prompt (tokens) of the targeted requests since the reserve last lapsed.
+    prompt_tokens: usize,
 }
 
 /// The TTFT target the reserve keeps room for, if `seq` is targeted.
@@ -209,7 +214,13 @@ impl SloAware {
 
     /// Estimated microseconds until the next milestone if served from now on.
     fn work_us(&self, seq: SeqView<'_>) -> f64 {
-        let prefill = match seq.num_uncomputed_tokens() {
+        self.first_step_us(seq.num_uncomputed_tokens())
+    }
+
+    /// Estimated microseconds of a step that feeds `uncomputed` prompt tokens of one request
+    /// (none when at most its next token is left).
+    fn first_step_us(&self, uncomputed: usize) -> f64 {
+        let prefill = match uncomputed {
             0 | 1 => 0.0,
             n => n as f64,
         };
@@ -253,9 +264,9 @@ impl SloAware {
     /// The reserve's bound on a step planned at `ctx.now` with `decodes` running decodes, if
     /// it is active. While targeted requests wait for their first token, the step may last
     /// until the tightest of them is due (times `pace_fraction`); otherwise half the tightest
-    /// recent TTFT target (times `pace_fraction`). Either way it keeps room for the whole
-    /// remaining prompts of those requests (or `min_chunk_tokens`, if more) besides the
-    /// decodes.
+    /// recent TTFT target, or the first step of the shortest recent targeted prompt if that is
+    /// longer (times `pace_fraction`). Either way it keeps room for the whole remaining
+    /// prompts of those requests (or `min_chunk_tokens`, if more) besides the decodes.
     fn reserve_budget(&self, ctx: &StepContext<'_>, decodes: usize) -> Option<usize> {
         if !self.reserve_active(ctx.now) {
             return None;
@@ -272,11 +283,23 @@ impl SloAware {
                 due = Some(due.map_or(left, |t| t.min(left)));
             }
         }
-        let left = due.unwrap_or(self.reserve.ttft_ms * 1e3 * 0.5) * self.pace_fraction;
+        let left = due.unwrap_or_else(|| self.idle_bound_us()) * self.pace_fraction;
         Some(
             self.affordable(left)
                 .max(decodes.saturating_add(pending.max(self.min_chunk_tokens))),
         )
+    }
+
+    /// How long a step may last while no targeted request waits for its first token (before
+    /// `pace_fraction`): half the tightest recent TTFT target, so that the step an arrival
+    /// waits out and its own first step share the target; but never below the first step of
+    /// the shortest recent targeted prompt. When half the target cannot hold that step, the
+    /// target is missed whatever the bound (the wait and the arrival's own step outlast it),
+    /// and shorter steps only multiply their fixed cost for the batch work: an arrival then
+    /// waits out at most a step as long as its own.
+    fn idle_bound_us(&self) -> f64 {
+        let r = &self.reserve;
+        (r.ttft_ms * 1e3 * 0.5).max(self.first_step_us(r.prompt_tokens))
     }
 
     /// A targeted request arrived.
@@ -292,10 +315,13 @@ impl SloAware {
             });
         }
         r.last_event = Some(r.last_event.map_or(at, |t| t.max(at)));
-        r.ttft_ms = if lapsed || r.ttft_ms <= 0.0 {
-            ttft_ms
+        (r.ttft_ms, r.prompt_tokens) = if lapsed || r.ttft_ms <= 0.0 {
+            (ttft_ms, seq.prompt_len())
         } else {
-            r.ttft_ms.min(ttft_ms)
+            (
+                r.ttft_ms.min(ttft_ms),
+                r.prompt_tokens.min(seq.prompt_len()),
+            )
         };
         r.live = r.live.saturating_add(1);
     }
@@ -885,6 +911,38 @@ mod tests {
         serve(&mut p, &[0, 1_100_000]);
         assert_eq!(p.token_budget(&idle(1_699_999)), 4_400);
         assert_eq!(p.token_budget(&idle(1_700_000)), 32_768);
+    }
+
+    #[test]
+    fn the_reserve_never_bounds_a_step_below_the_shortest_recent_targeted_prompts_own() {
+        let none: Vec<Option<Sequence>> = Vec::new();
+        let idle = |now| ctx_at(&none, &[], &[], now, 65_536);
+        let mut p = policy();
+        // A 20,000-token prompt with a 100 ms TTFT target: its own first step, 1 ms + 200 ms,
+        // outlasts half the target, so no bound meets the target; a step may last as long as
+        // that step: (201 ms * 0.9 - 1 ms) / 10 us = 17,990 tokens, not 4,400.
+        let long = with_slo(seq(1, 0, 20_000), Some(100.0), None);
+        p.observe(PolicyEvent::Arrived(SeqView::new(&long)));
+        assert_eq!(p.token_budget(&idle(5_000)), 17_990);
+        // A 2,000-token prompt (21 ms, within half the target) arrives while it lasts: half the
+        // target bounds the steps again.
+        let short = with_slo(seq(2, 10_000, 2_000), Some(100.0), None);
+        p.observe(PolicyEvent::Arrived(SeqView::new(&short)));
+        assert_eq!(p.token_budget(&idle(20_000)), 4_400);
+        // Both leave at 300 ms; the reserve lapses after the cap (10 s), and the next arrival's
+        // prompt sizes it alone.
+        depart(&mut p, &long, 300_000);
+        depart(&mut p, &short, 300_000);
+        assert_eq!(p.token_budget(&idle(10_300_000)), 65_536);
+        let again = with_slo(seq(3, 20_000_000, 20_000), Some(100.0), None);
+        p.observe(PolicyEvent::Arrived(SeqView::new(&again)));
+        assert_eq!(p.token_budget(&idle(20_000_000)), 17_990);
+        // Where half the target is the longer (1,000 ms: 500 ms against 201), it decides:
+        // (500 ms * 0.9 - 1 ms) / 10 us = 44,900 tokens.
+        let mut p = policy();
+        let loose = with_slo(seq(4, 0, 20_000), Some(1_000.0), None);
+        p.observe(PolicyEvent::Arrived(SeqView::new(&loose)));
+        assert_eq!(p.token_budget(&idle(5_000)), 44_900);
     }
 
     proptest::proptest! {
