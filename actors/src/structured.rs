@@ -1288,6 +1288,9 @@ mod tests {
             .expect("one");
         c.commit(id("a"));
         assert_eq!(c.failure(), None);
+        // Drafts taken back are not counted among the generated tokens.
+        let vocab = tok.vocab_size();
+        assert_eq!(c.allowed_through(vocab, &[id("b")]).len(), 2);
         c.commit(id("z"));
         let failure = c.failure().expect("the grammar failed");
         assert!(
@@ -1296,7 +1299,6 @@ mod tests {
         );
         // Not a limit of llguidance's: a backend's bug, the server's error.
         assert!(!exceeded_limits(&failure), "{failure}");
-        let vocab = tok.vocab_size();
         let allowed = c.allowed(vocab);
         let ids: Vec<usize> = (0..vocab).filter(|&t| is_allowed(&allowed, t)).collect();
         assert_eq!(ids, vec![end as usize]);
