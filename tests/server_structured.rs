@@ -333,6 +333,176 @@ fn a_grammar_with_no_finite_sentence_is_refused() {
     }
 }
 
+/// A Lark grammar of `rules` rules that each double the next (`a0: a1 a1`, ...), the last
+/// `"x"`, after `prefix`: 2^(rules - 1) forced `x`s.
+fn doubling_grammar(prefix: &str, rules: usize) -> String {
+    let mut g = format!("start: {prefix} a0\n");
+    for i in 0..rules - 1 {
+        g.push_str(&format!("a{i}: a{0} a{0}\n", i + 1));
+    }
+    g.push_str(&format!("a{}: \"x\"\n", rules - 1));
+    g
+}
+
+/// The JSON schema of [`doubling_grammar`]: `["a", [[...["x", "x"]...]]]` (or `"b"` first),
+/// pairs of pairs 24 times over after a free first item.
+fn doubling_schema(rules: usize) -> Value {
+    let pair = |item: String| {
+        json!({"type": "array", "prefixItems": [{"$ref": item}, {"$ref": item}],
+               "items": false, "minItems": 2})
+    };
+    let mut defs = serde_json::Map::new();
+    for i in 0..rules - 1 {
+        defs.insert(format!("a{i}"), pair(format!("#/$defs/a{}", i + 1)));
+    }
+    defs.insert(format!("a{}", rules - 1), json!({"const": "x"}));
+    json!({"$defs": defs, "type": "array", "items": false, "minItems": 2,
+           "prefixItems": [{"enum": ["a", "b"]}, {"$ref": "#/$defs/a0"}]})
+}
+
+/// Checks that `v`, an OpenAI error body, is the request's own error naming `param` and says
+/// that the grammar exceeded the parser's limits after its free first token and the forced one
+/// the parser gave up on (within `max_tokens`, 16).
+fn assert_past_the_limits(v: &Value, param: &str) {
+    let e = &v["error"];
+    assert_eq!(e["type"], "invalid_request_error", "{v}");
+    assert_eq!(e["param"], param, "{v}");
+    let message = e["message"].as_str().unwrap_or("");
+    let after = message
+        .strip_prefix("structured output: the grammar exceeded the parser's limits after ")
+        .unwrap_or_else(|| panic!("{v}"));
+    let (n, rest) = after.split_once(' ').unwrap_or_default();
+    let n: usize = n.parse().unwrap_or_else(|_| panic!("{v}"));
+    assert!((2..=16).contains(&n), "{v}");
+    assert!(
+        rest.starts_with("generated tokens (parser error: Too many items (limit 50000"),
+        "{v}"
+    );
+}
+
+/// A grammar whose output is finite but forced for a huge stretch (rules that double each
+/// other 24 times over) passed every check when it compiled, then failed past llguidance's
+/// per-step parser limits a token or two in: a 500 `server_error` (a stream: an error event
+/// of that type), which openai-python retries three times at the same cost. It is the
+/// request's own error: forced from the first token it is a 400 before the request starts;
+/// after a free first token (`"a" | "b"`) a 400 naming the grammar's field when it fails
+/// (a stream: an `invalid_request_error` event), on completions, chat and the Responses API,
+/// counted as `invalid_request`.
+#[test]
+fn a_grammar_past_the_parser_limits_is_the_requests_error() {
+    let s = server();
+    let messages = json!([{"role": "user", "content": "Give an example"}]);
+    let forced = doubling_grammar("", 24);
+    for (path, body, param) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 16, "guided_grammar": forced}),
+            "guided_grammar",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 16, "stream": true,
+                   "structured_outputs": {"grammar": forced}}),
+            "structured_outputs",
+        ),
+    ] {
+        let (status, v) = s.post_json(path, &body);
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or("");
+        assert!(
+            message.contains("the output it forces from its start exceeds the parser's limits"),
+            "{v}"
+        );
+    }
+    let failed_before = s.labelled_metric(
+        "switchyard:request_failed_total",
+        &["reason=\"invalid_request\""],
+    );
+    let late = doubling_grammar("(\"a\" | \"b\")", 24);
+    let schema = doubling_schema(24);
+    let plain = [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 16, "guided_grammar": late}),
+            "guided_grammar",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 16,
+                   "structured_outputs": {"grammar": late}}),
+            "structured_outputs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 16, "response_format":
+                {"type": "json_schema", "json_schema": {"name": "pairs", "schema": schema}}}),
+            "response_format",
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "Give an example", "max_output_tokens": 16, "text":
+                {"format": {"type": "json_schema", "name": "pairs", "schema": schema}}}),
+            "text.format",
+        ),
+    ];
+    for (path, body, param) in &plain {
+        let (status, v) = s.post_json(path, body);
+        assert_eq!(status, 400, "{path} {body}: {v}");
+        assert_past_the_limits(&v, param);
+    }
+    // Streamed: the text so far, then the error event (chat and completions: then `[DONE]`).
+    for (path, body, param) in &plain {
+        let mut body = body.clone();
+        body["stream"] = json!(true);
+        let r = s
+            .request("POST", path, Some(&body.to_string()), &[])
+            .expect("a streamed response");
+        assert_eq!(r.status, 200, "{path}: {}", r.body);
+        if *path == "/v1/responses" {
+            let data = r
+                .body
+                .split_terminator("\n\n")
+                .find_map(|frame| frame.strip_prefix("event: error\ndata: "))
+                .unwrap_or_else(|| panic!("no error event: {}", r.body));
+            let e: Value = serde_json::from_str(data).expect("the error event's JSON");
+            assert_eq!(e["code"], "invalid_request_error", "{e}");
+            assert_past_the_limits(
+                &json!({"error": {"type": e["code"], "param": e["param"],
+                                                     "message": e["message"]}}),
+                param,
+            );
+            continue;
+        }
+        let mut events = sse_events(&r.body);
+        assert_eq!(events.pop().as_deref(), Some("[DONE]"), "{}", r.body);
+        let last: Value =
+            serde_json::from_str(&events.pop().expect("the error event")).expect("JSON");
+        assert_past_the_limits(&last, param);
+    }
+    let failed = s.labelled_metric(
+        "switchyard:request_failed_total",
+        &["reason=\"invalid_request\""],
+    );
+    assert_eq!(failed - failed_before, 2.0 * plain.len() as f64);
+    assert_eq!(
+        s.labelled_metric(
+            "switchyard:request_failed_total",
+            &["reason=\"structured_output\""]
+        ),
+        0.0
+    );
+    let v = s.post_ok(
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 4, "guided_grammar": doubling_grammar("", 11)}),
+    );
+    // Within the limits (1,024 forced `x`s): served, cut at `max_tokens`.
+    let text = v["choices"][0]["text"].as_str().unwrap_or("");
+    assert!(!text.is_empty() && text.chars().all(|c| c == 'x'), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+}
+
 #[test]
 fn an_end_token_ends_a_finished_grammar_before_min_tokens() {
     let s = server();

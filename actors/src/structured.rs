@@ -7,10 +7,19 @@
 //! the first structured request, not at start. Compiling a request's grammar checks it (a bad
 //! schema or regex is the client's error, and so is one with no finite sentence, and one whose
 //! first token mask fails: it is unsatisfiable, or beyond llguidance's limits from the start)
-//! and yields one fresh matcher per choice. At run time a matcher that fails later (every
-//! sampled token comes from its own mask, but a grammar whose forced output is finite and huge
-//! can outgrow llguidance's per-step limits) ends its sequence through the end ids rather than
-//! sampling unconstrained.
+//! and yields one fresh matcher per choice. A grammar whose first token is forced is also
+//! refused when forcing the output that follows outgrows llguidance's per-step limits
+//! (`start: a0`, `a0: a1 a1`, ... 24 times over: a finite but huge forced output), which
+//! llguidance reports only when that token is consumed: the compile consumes it on a copy.
+//!
+//! At run time a matcher that fails later (every sampled token comes from its own mask, but a
+//! forced stretch that follows a free choice can outgrow llguidance's limits as well) allows
+//! only the end ids from then on, so its sequence ends as a finished one would rather than
+//! sampling unconstrained; the detokenizer then reads [`Constraint::failure`] and ends the
+//! request with an error instead of the finish. A failure past llguidance's limits
+//! ([`exceeded_limits`]: its own error messages for them) is the request's grammar's doing, a
+//! 400 naming its field (an error event in a stream); any other failure (a token outside the
+//! mask: a backend's bug) is the server's, a 500.
 //!
 //! Grammars compile on a [`CompilePool`] of their own ([`LazyGrammarCompiler::compile_then`]),
 //! never on the threads that encode prompts, and the work of one compile is bounded: by
@@ -371,6 +380,37 @@ impl StructuredOutput {
     }
 }
 
+/// The first lines of llguidance's (1.9) errors for its per-step parser limits
+/// ([`ParserLimits`]): the Earley items of one step (`step_max_items`: its mask, or the bytes
+/// it forces), of one row (`max_items_in_row`), the lexer's fuel for one step
+/// (`step_lexer_fuel`) and its states (`max_lexer_states`). The matcher keeps only the text of
+/// an error (its stop reason becomes `InternalError`, and its `ParserTooComplex` also covers a
+/// token the grammar does not allow), so the text is what tells them apart.
+const LIMIT_ERRORS: &[&str] = &[
+    "parser error: Too many items (limit ",
+    "Parser Error: Current row has ",
+    "lexer error: too many expressions constructed",
+    "lexer error: too many states: ",
+];
+
+/// How a [`GrammarConstraint`]'s failure past llguidance's limits begins
+/// ([`exceeded_limits`]).
+const LIMITS_EXCEEDED: &str = "the grammar exceeded the parser's limits";
+
+/// Whether `e`, an error of llguidance's matcher, says that a step went past one of its
+/// per-step limits ([`LIMIT_ERRORS`]).
+fn is_limit_error(e: &str) -> bool {
+    let line = first_line(e);
+    LIMIT_ERRORS.iter().any(|p| line.starts_with(p))
+}
+
+/// Whether `failure`, a [`Constraint::failure`], is a grammar that went past llguidance's
+/// per-step parser limits while generating: the request's own doing (a 400), where any other
+/// failure is the server's (a 500).
+pub fn exceeded_limits(failure: &str) -> bool {
+    failure.starts_with(LIMITS_EXCEEDED)
+}
+
 /// The first line of an error, at most 300 bytes of it.
 fn first_line(e: &str) -> &str {
     let line = e.lines().next().unwrap_or("");
@@ -509,7 +549,29 @@ impl GrammarCompiler {
                     "invalid structured output specification: no output satisfies it".into(),
                 )
             }
-            Ok(_) => {}
+            Ok(mask) => {
+                // A forced first token: computing its mask forced the output that follows,
+                // and a forced stretch past llguidance's limits is reported only when the
+                // token is consumed (the mask of the forced token comes first), a token or two
+                // into the answer. Consuming it on a copy reports it now, for one step's work
+                // (bounded by the same limits). The copy shares the lexer's cache, which the
+                // step only extends as the first token's would.
+                if mask.num_set() == 1 {
+                    if let Some(t) = mask.first_bit_set() {
+                        let mut probe = matcher.clone();
+                        if let Err(e) = probe.consume_token(t as u32) {
+                            let e = e.to_string();
+                            if is_limit_error(&e) {
+                                return Err(format!(
+                                    "invalid structured output specification: the output it \
+                                     forces from its start exceeds the parser's limits ({})",
+                                    first_line(&e)
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
             Err(e) => {
                 let e = e.to_string();
                 let why = match first_line(&e) {
@@ -531,6 +593,7 @@ impl GrammarCompiler {
                     matcher: matcher.deep_clone(),
                     end_ids: end_ids.clone(),
                     failure: None,
+                    read: 0,
                     recent: std::collections::VecDeque::with_capacity(ROLLBACK_WINDOW),
                 })
             })
@@ -885,6 +948,9 @@ struct GrammarConstraint {
     /// (end ids and commits after the grammar stopped do not), so a rollback takes back
     /// exactly what was consumed.
     recent: std::collections::VecDeque<bool>,
+    /// Generated tokens the matcher read (commits that reached it, less those taken back):
+    /// where a failure happened.
+    read: usize,
 }
 
 /// Most commits a [`GrammarConstraint`] can take back (drafts per step are at most 16).
@@ -899,10 +965,22 @@ impl GrammarConstraint {
         }
     }
 
+    /// Records what failed and after how many generated tokens: past llguidance's limits
+    /// ([`exceeded_limits`]), with llguidance's first line; else `what` and the whole error.
     fn fail(&mut self, what: &str, e: impl std::fmt::Display) {
-        tracing::warn!(error = %e, "structured output: {what} failed; ending the sequence");
+        let e = e.to_string();
+        let read = self.read;
+        tracing::warn!(error = %e, read, "structured output: {what} failed; ending the sequence");
         metrics::counter!(names::STRUCTURED_FAILURES).increment(1);
-        self.failure = Some(format!("{what} failed: {e}"));
+        let after = match read {
+            1 => "after 1 generated token".to_owned(),
+            n => format!("after {n} generated tokens"),
+        };
+        self.failure = Some(if is_limit_error(&e) {
+            format!("{LIMITS_EXCEEDED} {after} ({})", first_line(&e))
+        } else {
+            format!("{what} failed {after}: {e}")
+        });
     }
 }
 
@@ -952,6 +1030,7 @@ impl TokenConstraint for GrammarConstraint {
             return;
         }
         self.recent.push_back(true);
+        self.read += 1;
         if let Err(e) = self.matcher.consume_token(token) {
             self.fail("consuming a token", e);
         }
@@ -976,6 +1055,7 @@ impl TokenConstraint for GrammarConstraint {
         if consumed == 0 {
             return true;
         }
+        self.read = self.read.saturating_sub(consumed);
         match self.matcher.rollback(consumed) {
             Ok(()) => true,
             Err(e) => {
@@ -1208,10 +1288,93 @@ mod tests {
             .expect("one");
         c.commit(id("a"));
         assert_eq!(c.failure(), None);
+        // Drafts taken back are not counted among the generated tokens.
+        let vocab = tok.vocab_size();
+        assert_eq!(c.allowed_through(vocab, &[id("b")]).len(), 2);
         c.commit(id("z"));
         let failure = c.failure().expect("the grammar failed");
-        assert!(failure.starts_with("consuming a token failed"), "{failure}");
+        assert!(
+            failure.starts_with("consuming a token failed after 2 generated tokens: "),
+            "{failure}"
+        );
+        // Not a limit of llguidance's: a backend's bug, the server's error.
+        assert!(!exceeded_limits(&failure), "{failure}");
+        let allowed = c.allowed(vocab);
+        let ids: Vec<usize> = (0..vocab).filter(|&t| is_allowed(&allowed, t)).collect();
+        assert_eq!(ids, vec![end as usize]);
+    }
+
+    /// A Lark grammar of `rules` rules that each double the next (`a0: a1 a1`, ...), the last
+    /// `"x"`: 2^(rules - 1) forced `x`s after `prefix`.
+    fn doubling(prefix: &str, rules: usize) -> StructuredOutput {
+        let mut g = format!("start: {prefix} a0\n");
+        for i in 0..rules - 1 {
+            g.push_str(&format!("a{i}: a{0} a{0}\n", i + 1));
+        }
+        g.push_str(&format!("a{}: \"x\"\n", rules - 1));
+        StructuredOutput::Grammar(g)
+    }
+
+    /// A grammar whose first token is forced and whose forced output then outgrows
+    /// llguidance's per-step limits (24 doubling rules: 2^23 `x`s) is refused when it
+    /// compiles, not a token into the answer; 11 rules (1,024 `x`s, within the limits) are
+    /// followed to their end.
+    #[test]
+    fn a_forced_start_past_the_parser_limits_is_refused() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let end = [tok.eos_token_ids()[0]];
+        let e = compiler
+            .compile(&doubling("", 24), &end, 1)
+            .expect_err("refused");
+        assert!(
+            e.starts_with("invalid structured output specification: the output it forces from its start exceeds the parser's limits (parser error: Too many items"),
+            "{e}"
+        );
+        let c = compiler
+            .compile(&doubling("", 11), &end, 1)
+            .expect("compiles")
+            .pop()
+            .expect("one");
+        let text = walk(&c, &tok, &end, 1, 2000).expect("ends");
+        assert_eq!(text, "x".repeat(1024));
+        assert_eq!(c.failure(), None);
+    }
+
+    /// A forced stretch past llguidance's limits after a free first token (`"a" | "b"`) cannot
+    /// be seen when the grammar compiles; it fails the constraint a token or two in, as a
+    /// failure past the parser's limits ([`exceeded_limits`]): the request's error, not the
+    /// server's. From then on only the end ids are allowed.
+    #[test]
+    fn a_grammar_past_the_parser_limits_while_generating_says_so() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let end = tok.eos_token_ids()[0];
+        let c = compiler
+            .compile(&doubling("(\"a\" | \"b\")", 24), &[end], 1)
+            .expect("compiles")
+            .pop()
+            .expect("one");
         let vocab = tok.vocab_size();
+        let mut steps = 0;
+        while c.failure().is_none() && steps < 4 {
+            let allowed = c.allowed(vocab);
+            let t = (0..vocab)
+                .find(|&t| is_allowed(&allowed, t) && t != end as usize)
+                .expect("a token to go on with");
+            c.commit(t as u32);
+            steps += 1;
+        }
+        let failure = c.failure().expect("the grammar failed");
+        assert!(exceeded_limits(&failure), "{failure}");
+        assert!(steps >= 2, "it failed only after the first token: {steps}");
+        assert!(
+            failure.starts_with(&format!(
+                "the grammar exceeded the parser's limits after {steps} generated tokens \
+                 (parser error: Too many items (limit"
+            )),
+            "{failure}"
+        );
         let allowed = c.allowed(vocab);
         let ids: Vec<usize> = (0..vocab).filter(|&t| is_allowed(&allowed, t)).collect();
         assert_eq!(ids, vec![end as usize]);

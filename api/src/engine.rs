@@ -838,9 +838,11 @@ pub enum EngineErrorKind {
     Unavailable,
     /// The request names a model (LoRA adapter) the server does not serve.
     NotFound,
-    /// The structured-output grammar of a choice failed while generating: the output cannot
-    /// complete it. A server error as [`Self::Internal`] is, but a kind of its own, so that
-    /// the request's other prompts, ended because of it, are counted with its reason.
+    /// The structured-output grammar of a choice failed while generating, other than past
+    /// llguidance's parser limits (the request's own error, [`Self::InvalidRequest`] naming
+    /// its field): the output cannot complete it. A server error as [`Self::Internal`] is, but
+    /// a kind of its own, so that the request's other prompts, ended because of it, are
+    /// counted with its reason.
     StructuredOutput,
     /// A bug or a backend failure; the message is logged, the client gets a generic one.
     Internal,

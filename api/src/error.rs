@@ -329,7 +329,8 @@ fn cut_middle(text: String, max: usize) -> String {
 }
 
 /// The server's own failures: 500, the detail logged rather than shown. A grammar that failed
-/// while generating is a 500 too, but its message is about the request's own grammar and the
+/// while generating (other than past llguidance's parser limits: the request's own error, a
+/// 400) is a 500 too, but its message is about the request's own grammar and the
 /// output so far (what llguidance gave up on, after how many tokens), so the client sees it.
 fn hides_detail(kind: EngineErrorKind) -> bool {
     matches!(kind, EngineErrorKind::Internal)

@@ -65,8 +65,9 @@ pub const REQUEST_SUCCESS: &str = "switchyard:request_success_total";
 pub const REQUEST_ABORTED: &str = "switchyard:request_aborted_total";
 /// Counter, labels `reason`, `tier`, `tenant`: requests that ended with an error after they were queued, by kind:
 /// `invalid_request`, `context_length`, `unknown_model`, `overloaded`, `unavailable` (refused,
-/// or cut off: at the drain timeout, or a stream its client read too slowly),
-/// `structured_output` (the grammar failed while generating)
+/// or cut off: at the drain timeout, or a stream its client read too slowly; `invalid_request`
+/// also a grammar that went past llguidance's parser limits while generating),
+/// `structured_output` (the grammar failed otherwise while generating: the server's error)
 /// or `error` (the server's own failure, such as a failed step); and requests refused before
 /// they were queued as `overloaded` (the server's or their tier's bound on requests in flight,
 /// or a full grammar compile queue) or `unavailable` (inside the engine once a drain ended, the

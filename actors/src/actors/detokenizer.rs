@@ -22,6 +22,7 @@ use super::scheduler::{Finish, SchedulerActor, Submit};
 use crate::core::{CoreEvent, SubmitOptions};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::metric_names as names;
+use crate::structured::{self, STRUCTURED_OUTPUT_PARAM};
 use crate::EngineError;
 
 /// How often sinks of queued requests are checked for departed clients.
@@ -223,8 +224,8 @@ impl EndedEarly {
 
 /// The `reason` label of a request that ended with an error (a bounded set, by kind): the
 /// server's own failures (a failed step) are `error`; a choice whose structured-output
-/// grammar failed while generating, and the other choices and prompts of its request, are
-/// `structured_output`.
+/// grammar failed while generating (other than past llguidance's limits: that is an invalid
+/// request), and the other choices and prompts of its request, are `structured_output`.
 pub(crate) fn failure_label(kind: SubmitErrorKind) -> &'static str {
     match kind {
         // A refusal at admission, before queueing: a 400 as an invalid request is.
@@ -373,8 +374,12 @@ impl DetokenizerActor {
 
     /// Ends the request of choice `id`, whose grammar failed while generating, with an error:
     /// its output cannot complete the structured output asked for, so it is no answer (the
-    /// choice ended through its end tokens, which is all a failed grammar allows). The text of
-    /// its last step goes out first, then the error; its other choices are aborted. A choice
+    /// choice ended through its end tokens, which is all a failed grammar allows). A grammar
+    /// that went past llguidance's parser limits ([`structured::exceeded_limits`]) is the
+    /// request's error, as its refusal when it compiles is (an invalid request naming the
+    /// structured-output field, counted as `invalid_request`); any other failure is the
+    /// server's ([`SubmitErrorKind::StructuredOutput`], a 500). The text of its last step goes
+    /// out first, then the error; its other choices are aborted. A choice
     /// past the first that fails before the prompt event went out (its deltas were held for
     /// the first choice's prompt logprobs) sends only the error: no delta may precede the
     /// prompt event, and the request is refused as a whole.
@@ -385,21 +390,25 @@ impl DetokenizerActor {
         failure: &str,
         request: &Rc<RefCell<RequestSink>>,
     ) {
-        let tokens = delta.finish.take().map_or(0, |(_, tokens)| tokens);
-        let ended = EndedEarly::Failed(failure_label(SubmitErrorKind::StructuredOutput));
+        delta.finish = None;
+        // The failure says after how many generated tokens (the end id that a failed grammar
+        // allows, and which ended the choice, is not one of them).
+        let message =
+            format!("structured output: {failure}; the output does not complete the grammar");
+        let error = if structured::exceeded_limits(failure) {
+            SubmitError::new(SubmitErrorKind::InvalidRequest, message)
+                .with_param(STRUCTURED_OUTPUT_PARAM)
+        } else {
+            SubmitError::new(SubmitErrorKind::StructuredOutput, message)
+        };
+        let ended = EndedEarly::Failed(failure_label(error.kind));
         self.choices.remove(&id);
         ended.count(1, &request.borrow().outcome_labels);
         let mut r = request.borrow_mut();
         if !delta.token_ids.is_empty() && r.pending_prompt.is_none() {
             r.sink.send(EngineOutput::Delta(delta));
         }
-        r.sink.send(EngineOutput::Error(SubmitError::new(
-            SubmitErrorKind::StructuredOutput,
-            format!(
-                "structured output: {failure} after {tokens} generated tokens; the output does \
-                 not complete the grammar"
-            ),
-        )));
+        r.sink.send(EngineOutput::Error(error));
         drop(r);
         self.abort_request(request, ended);
     }

@@ -261,9 +261,10 @@ pub enum SubmitErrorKind {
     QueueTimeout,
     /// The engine is shutting down.
     Unavailable,
-    /// The structured-output grammar of a choice failed while generating: its output cannot
-    /// complete it (a server error, counted under its own `reason`; the request's other
-    /// choices, and its other prompts, end with it).
+    /// The structured-output grammar of a choice failed while generating, other than past
+    /// llguidance's parser limits (which is the request's error, [`Self::InvalidRequest`]):
+    /// its output cannot complete it (a server error, counted under its own `reason`; the
+    /// request's other choices, and its other prompts, end with it).
     StructuredOutput,
     /// A backend failure.
     Internal,
@@ -1432,6 +1433,7 @@ mod tests {
 
     use super::*;
     use crate::actors::detokenizer::rejection;
+    use crate::structured::STRUCTURED_OUTPUT_PARAM;
     use crate::testing::{abc_tokenizer, CountingBackend, PROMPT_LOGPROB_ROWS};
 
     /// A client's request and a beam search's first step are bounded by their tier's
@@ -2002,8 +2004,9 @@ mod tests {
         );
     }
 
-    /// A constraint that failed while generating (what a grammar that cannot go on reports).
-    struct FailedGrammar;
+    /// A constraint that failed while generating with this failure (what a grammar that
+    /// cannot go on reports).
+    struct FailedGrammar(&'static str);
 
     impl switchyard_gpu::TokenConstraint for FailedGrammar {
         fn fill_allowed(&mut self, allowed: &mut [u32]) {
@@ -2011,7 +2014,7 @@ mod tests {
         }
         fn commit(&mut self, _: u32) {}
         fn failure(&self) -> Option<String> {
-            Some("the token mask failed: too complex".into())
+            Some(self.0.into())
         }
     }
 
@@ -2020,6 +2023,38 @@ mod tests {
     /// aborted, and both count as failed under `structured_output`.
     #[actix::test]
     async fn a_choice_whose_grammar_failed_ends_its_request_with_an_error() {
+        let failure = "the token mask failed after 3 generated tokens: too complex";
+        let error = fail_a_grammar(failure).await;
+        // A kind of its own, so that the request's other prompts count under its reason.
+        assert_eq!(error.kind, SubmitErrorKind::StructuredOutput, "{error}");
+        assert_eq!(error.param, None);
+        assert_eq!(
+            error.message,
+            format!("structured output: {failure}; the output does not complete the grammar")
+        );
+    }
+
+    /// A grammar that went past llguidance's parser limits while generating (what
+    /// `GrammarConstraint` reports for them) is the request's own error, as its refusal when
+    /// it compiles is: an invalid request naming the structured-output field, not a server
+    /// error that clients retry.
+    #[actix::test]
+    async fn a_grammar_past_the_parser_limits_is_the_requests_error() {
+        let failure = "the grammar exceeded the parser's limits after 3 generated tokens \
+                       (parser error: Too many items (limit 50000; ff_tokens); try avoiding \
+                       single-byte/short lexemes)";
+        let error = fail_a_grammar(failure).await;
+        assert_eq!(error.kind, SubmitErrorKind::InvalidRequest, "{error}");
+        assert_eq!(error.param, Some(STRUCTURED_OUTPUT_PARAM));
+        assert_eq!(
+            error.message,
+            format!("structured output: {failure}; the output does not complete the grammar")
+        );
+    }
+
+    /// Runs a request of two choices whose grammars fail with `failure` (the first at its
+    /// third token) and returns the error it ends with.
+    async fn fail_a_grammar(failure: &'static str) -> SubmitError {
         let (engine, _) = engine(64);
         let (sink, rx) = recorder();
         engine.admission.counter().fetch_add(1, Ordering::AcqRel);
@@ -2028,8 +2063,8 @@ mod tests {
             opens_thinking: false,
             adapter: None,
             constraints: vec![
-                Constraint::new(FailedGrammar),
-                Constraint::new(FailedGrammar),
+                Constraint::new(FailedGrammar(failure)),
+                Constraint::new(FailedGrammar(failure)),
             ],
             encoded: Instant::now(),
         };
@@ -2060,18 +2095,11 @@ mod tests {
                 EngineOutput::Error(e) => break e,
             }
         };
-        // A kind of its own, so that the request's other prompts count under its reason.
-        assert_eq!(error.kind, SubmitErrorKind::StructuredOutput, "{error}");
-        assert!(
-            error
-                .message
-                .contains("the token mask failed: too complex after 3 generated"),
-            "{error}"
-        );
         // Both choices' tokens up to the first one's end went out; nothing after the error.
         assert!((3..=6).contains(&tokens), "{tokens}");
         wait_idle(&engine).await;
         assert!(rx.try_recv().is_err());
+        error
     }
 
     /// A scheduler whose mailbox closed (shutting down) refuses a request as it registers,

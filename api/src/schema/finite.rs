@@ -2,9 +2,10 @@
 //! property leads back to itself (`{"type": "object", "properties": {"a": {"$ref": "#"}},
 //! "required": ["a"]}`), through `$ref`s, `allOf` and arrays' `minItems`, has no finite
 //! instance. llguidance compiles such a schema, and its first tokens pass; then the output it
-//! forces never ends and its parser gives up past its item limit, a 500 after a few tokens.
-//! No output can satisfy the schema, so it is a 400 before the request starts, as a schema
-//! llguidance finds unsatisfiable is.
+//! forces never ends and its parser gives up past its item limit, a few tokens in (then a 400
+//! that says only that the grammar exceeded the parser's limits). No output can satisfy the
+//! schema, so it is a 400 that says so before the request starts, as a schema llguidance finds
+//! unsatisfiable is.
 //!
 //! The check is a least fixed point over the schema's local `$ref` targets (`#`, `#/$defs/…`,
 //! any JSON pointer into the schema): a target has a finite instance once its schema does with
