@@ -325,6 +325,13 @@ fn arrival_span_s(args: &ServeBenchArgs, work: &[Planned]) -> f64 {
     }
 }
 
+/// The `--request-rate` that paces the arrivals: a finite one, with a dataset without times
+/// of its own.
+fn paced_rate(args: &ServeBenchArgs) -> Option<f64> {
+    args.request_rate
+        .filter(|r| r.is_finite() && !replays_times(args.dataset))
+}
+
 /// Most and least `--burstiness` (besides `inf`): the Gamma shape of the arrival gaps.
 const BURSTINESS_RANGE: std::ops::RangeInclusive<f64> = 1e-3..=1e3;
 
@@ -836,7 +843,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         ),
         _ => Vec::new(),
     };
-    if let Some(rate) = args.request_rate.filter(|r| r.is_finite()) {
+    if let Some(rate) = paced_rate(&args) {
         let b = args.burstiness.unwrap_or(1.0);
         let process = if b == 1.0 {
             "Poisson process"
@@ -1118,7 +1125,7 @@ impl<'a> Counted<'a> {
         if let Some(c) = args.max_concurrency {
             println!("{:<40}{}", "Maximum request concurrency:", c);
         }
-        if let Some(rate) = args.request_rate.filter(|r| r.is_finite()) {
+        if let Some(rate) = paced_rate(args) {
             println!("{:<40}{:.2}", "Request rate configured (RPS):", rate);
         }
         println!("{:<40}{:.2}", "Benchmark duration (s):", duration);

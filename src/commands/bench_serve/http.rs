@@ -565,9 +565,12 @@ impl ResponseHead {
     }
 }
 
-/// Sends one streaming completion and timestamps its chunks. As in vLLM, a request succeeds
-/// when its stream completes (`[DONE]`) after at least one chunk with a choice, even one
-/// without text (an immediate end of sequence).
+/// Sends one streaming completion and timestamps its chunks. A request succeeds when its
+/// stream completes (`[DONE]`) after at least one chunk with a choice, even one without text
+/// (an immediate end of sequence), as in vLLM, and carries no `error` event and no event
+/// that is not JSON. vLLM's client is laxer there: it counts a stream cut before `[DONE]`, or
+/// one whose server reported an error after some tokens, a success; this one counts them
+/// failed, so a server's failures do not add to its throughput.
 pub(super) fn one_request(
     t: &Target,
     path: &str,
@@ -592,6 +595,8 @@ pub(super) fn one_request(
     let mut events = EventStream::default();
     let mut timer = StreamTimer::default();
     let mut done = false;
+    // The first error event, or event that is not JSON.
+    let mut failure: Option<String> = None;
     let mut buf = Vec::new();
     while !done {
         buf.clear();
@@ -624,14 +629,24 @@ pub(super) fn one_request(
                 done = true;
                 break;
             }
-            let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
-            timer.on_chunk(&v, now, t0, &mut sample);
+            match serde_json::from_str::<serde_json::Value>(data) {
+                Ok(v) if v.get("error").is_some() => {
+                    let shown: String = data.chars().take(200).collect();
+                    failure.get_or_insert(format!("the stream reported an error: {shown}"));
+                }
+                Ok(v) => timer.on_chunk(&v, now, t0, &mut sample),
+                Err(e) => {
+                    failure.get_or_insert(format!("an event of the stream is not JSON: {e}"));
+                }
+            }
         }
     }
     timer.finish(t0, Instant::now(), &mut sample);
     let any = timer.chunks > 0;
-    sample.ok = done && any;
-    if !done {
+    sample.ok = done && any && failure.is_none();
+    if let Some(failure) = failure {
+        sample.error = failure;
+    } else if !done {
         sample.error = "stream ended without [DONE]".into();
     } else if !any {
         sample.error = "stream ended without a completion chunk".into();
@@ -881,6 +896,53 @@ mod tests {
         // Every chunk is timed, the empty ones too.
         assert_eq!(sample.itl.len(), 3);
         assert_eq!(sample.prompt_tokens, 3);
+    }
+
+    /// A stream that reports an error after its first tokens, or sends an event that is not
+    /// JSON, fails its request, `[DONE]` or not (vLLM's client counts the first a success).
+    #[test]
+    fn an_error_event_after_tokens_fails_the_request() {
+        let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n";
+        for (event, why) in [
+            (
+                r#"{"error":{"message":"the server is shutting down","type":"unavailable"}}"#,
+                "the stream reported an error: ",
+            ),
+            ("{\"choices\": [", "an event of the stream is not JSON"),
+        ] {
+            let response = format!(
+                "{head}data: {}\n\ndata: {event}\n\ndata: [DONE]\n\n",
+                text_chunk("a")
+            );
+            let sample = one_request(
+                &local(serve_once(response)),
+                "/v1/completions",
+                None,
+                "{}",
+                3,
+            )
+            .unwrap();
+            assert!(
+                !sample.ok && sample.error.starts_with(why),
+                "{}",
+                sample.error
+            );
+        }
+        // Cut before [DONE]: failed too.
+        let response = format!("{head}data: {}\n\n", text_chunk("a"));
+        let sample = one_request(
+            &local(serve_once(response)),
+            "/v1/completions",
+            None,
+            "{}",
+            3,
+        )
+        .unwrap();
+        assert!(
+            !sample.ok && sample.error.contains("[DONE]"),
+            "{}",
+            sample.error
+        );
     }
 
     /// A body that is not streamed reads whole, chunked or up to the end of the connection,
