@@ -739,9 +739,20 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
     // At most --max-concurrency in flight; vLLM's deviations beside the percentiles.
     let peak = v["max_concurrent_requests"].as_u64().unwrap();
     assert!((1..=4).contains(&peak), "{v}");
-    for key in ["std_ttft_ms", "std_tpot_ms", "std_itl_ms", "std_e2el_ms"] {
+    for key in [
+        "std_ttft_ms",
+        "std_tpot_ms",
+        "std_itl_ms",
+        "std_e2el_ms",
+        "mean_client_queue_time_ms",
+        "p99_client_queue_time_ms",
+    ] {
         assert!(v[key].as_f64().is_some_and(|x| x >= 0.0), "{key} in {v}");
     }
+    // Under --max-concurrency vLLM's client-side queueing shows; the queue-inclusive E2E
+    // latency only where a rate or a trace paces the arrivals.
+    assert!(stdout.contains("Mean Client Queue Time (ms):"), "{stdout}");
+    assert!(!stdout.contains("E2EL incl. Client Queue"), "{stdout}");
     // A request's E2E latency runs to its last token, after its first.
     assert!(
         v["mean_e2el_ms"].as_f64().unwrap() >= v["mean_ttft_ms"].as_f64().unwrap(),

@@ -71,6 +71,10 @@ struct Sample {
     cached_tokens: Option<usize>,
     /// When it was sent (its connection up), where it was.
     sent: Option<Instant>,
+    /// Seconds from when it was due to when a thread took it: its wait for a free thread at
+    /// `--max-concurrency` (vLLM's client queue time; the connection's set-up after it counts
+    /// in neither this nor the latencies, as on a connection vLLM's client reuses).
+    queued: f64,
 }
 
 /// The results of a run so far, counted on its progress (bar or lines).
@@ -653,6 +657,9 @@ struct Job {
     /// The length every vector of an embeddings answer must have: the test request's, once
     /// it is known.
     dimension: Option<usize>,
+    /// When it was due: its arrival, from which a request that waits for a free thread (at
+    /// `--max-concurrency`) counts its client queue time.
+    due: Instant,
 }
 
 /// The job of one planned request, its prompts drawn from `rng`: a streamed completion of
@@ -684,6 +691,7 @@ fn job(
         input: planned.inputs.iter().sum(),
         inputs: planned.inputs.len(),
         dimension,
+        due: Instant::now(),
     }
 }
 
@@ -710,6 +718,7 @@ fn spawn_workers(
             .name(format!("bench-{w}"))
             .spawn(move || {
                 while let Ok(job) = job_rx.recv() {
+                    let picked = Instant::now();
                     let key = key.as_deref();
                     let sample = match endpoint {
                         ServeEndpoint::Completions => {
@@ -719,11 +728,12 @@ fn spawn_workers(
                             embeddings::one_request(&target, &path, key, &job)
                         }
                     };
-                    let sample = sample.unwrap_or_else(|e| Sample {
+                    let mut sample = sample.unwrap_or_else(|e| Sample {
                         error: format!("{e:#}"),
                         inputs: job.inputs,
                         ..Sample::default()
                     });
+                    sample.queued = picked.saturating_duration_since(job.due).as_secs_f64();
                     if tx.send(sample).is_err() {
                         break;
                     }
@@ -880,8 +890,12 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         while done.in_flight >= concurrency {
             done.push(rx.recv().context("benchmark threads vanished")?);
         }
-        jobs.send(job(&args, &model_for(), planned, &mut rng, dimension))
-            .context("benchmark threads vanished")?;
+        let mut next = job(&args, &model_for(), planned, &mut rng, dimension);
+        next.due = start
+            .checked_add(Duration::try_from_secs_f64(due.max(0.0)).unwrap_or_default())
+            .unwrap_or(next.due)
+            .min(next.due);
+        jobs.send(next).context("benchmark threads vanished")?;
         done.in_flight += 1;
     }
     // Dropping the sender lets every worker end once the queue is empty.
@@ -1236,7 +1250,17 @@ fn report(
         eprintln!("{warning}");
     }
     let goodput = Goodput::parse(&args.goodput)?;
-    let figures = Figures::of(ok, duration, goodput.as_ref());
+    let shown = QueueFigures::of(args, ok);
+    let held = ok.iter().filter(|s| s.queued >= HELD_S).count();
+    if args.max_concurrency.is_none() && held > 0 {
+        eprintln!(
+            "warning: {held} of {} successful requests waited for one of the \
+             {DEFAULT_IN_FLIGHT} threads; their latencies count from their sending, as vLLM's, \
+             and the wait is the Client Queue Time",
+            ok.len()
+        );
+    }
+    let figures = Figures::of(ok, duration, goodput.as_ref(), shown);
     counted.print_head(args, duration);
     figures.print();
     if let Some(sp) = spec {
@@ -1296,10 +1320,43 @@ struct Figures {
     peak_output: f64,
     /// The most requests in flight at once.
     peak_concurrency: usize,
+    /// The client queue time of each request, and its E2E latency with it.
+    queue: Stats,
+    e2el_with_queue: Stats,
+    /// Which of those the report shows.
+    shown: QueueFigures,
+}
+
+/// Which client-queue figures a report shows: vLLM's "Client-side Queueing" under
+/// `--max-concurrency`, and its "Queue-inclusive End-to-end Latency" too where the arrivals
+/// are paced (a rate or a trace's times). Without `--max-concurrency` the queue shows where
+/// requests waited for one of the [`DEFAULT_IN_FLIGHT`] threads all the same.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct QueueFigures {
+    queue: bool,
+    e2el: bool,
+}
+
+/// A wait for a thread this long or longer, without `--max-concurrency`, shows the queue.
+const HELD_S: f64 = 1e-3;
+
+impl QueueFigures {
+    fn of(args: &ServeBenchArgs, ok: &[&Sample]) -> QueueFigures {
+        let queue = args.max_concurrency.is_some() || ok.iter().any(|s| s.queued >= HELD_S);
+        QueueFigures {
+            queue,
+            e2el: queue && (paced_rate(args).is_some() || replays_times(args.dataset)),
+        }
+    }
 }
 
 impl Figures {
-    fn of(ok: &[&Sample], duration: f64, goodput: Option<&Goodput>) -> Figures {
+    fn of(
+        ok: &[&Sample],
+        duration: f64,
+        goodput: Option<&Goodput>,
+        shown: QueueFigures,
+    ) -> Figures {
         let (peak_output, peak_concurrency) = peaks(ok);
         Figures {
             duration: duration.max(1e-9),
@@ -1313,7 +1370,32 @@ impl Figures {
             e2el: stats(ok.iter().map(|s| s.latency).collect()),
             peak_output,
             peak_concurrency,
+            queue: stats(ok.iter().map(|s| s.queued).collect()),
+            e2el_with_queue: stats(ok.iter().map(|s| s.queued + s.latency).collect()),
+            shown,
         }
+    }
+
+    /// The client-queue figures shown: (key, label, section title, figures).
+    fn queue_shown(&self) -> Vec<(&'static str, &'static str, &'static str, Stats)> {
+        let mut shown = Vec::new();
+        if self.shown.queue {
+            shown.push((
+                "client_queue_time",
+                "Client Queue Time",
+                "Client-side Queueing",
+                self.queue,
+            ));
+        }
+        if self.shown.e2el {
+            shown.push((
+                "e2el_including_client_queue",
+                "E2EL incl. Client Queue",
+                "Queue-inclusive End-to-end Latency",
+                self.e2el_with_queue,
+            ));
+        }
+        shown
     }
 
     /// Per second of the run.
@@ -1350,12 +1432,16 @@ impl Figures {
             "Total Token throughput (tok/s):",
             self.rate(self.input + self.output)
         );
+        let queue = self.queue_shown();
         for (title, name, s) in [
             ("Time to First Token", "TTFT", self.ttft),
             ("Time per Output Token (excl. 1st token)", "TPOT", self.tpot),
             ("Inter-token Latency", "ITL", self.itl),
             ("End-to-end Latency", "E2EL", self.e2el),
-        ] {
+        ]
+        .into_iter()
+        .chain(queue.iter().map(|&(_, name, title, s)| (title, name, s)))
+        {
             println!("{:-^50}", title);
             println!("{:<40}{:.2}", format!("Mean {name} (ms):"), s.mean);
             println!("{:<40}{:.2}", format!("Median {name} (ms):"), s.median);
@@ -1377,7 +1463,10 @@ impl Figures {
             ("tpot", self.tpot),
             ("itl", self.itl),
             ("e2el", self.e2el),
-        ] {
+        ]
+        .into_iter()
+        .chain(self.queue_shown().iter().map(|&(key, _, _, s)| (key, s)))
+        {
             s.add_to(name, result);
         }
     }
@@ -1491,8 +1580,15 @@ mod tests {
         // A: chunks at 10, 30 and 60 ms; B (sent as A ends): one chunk at 100 ms; C (sent at
         // 50 ms): chunks at 150 and 1,150 ms.
         let a = timed(base, 0, 0.010, &[0.020, 0.030], 0.060, (3, 5));
-        let b = timed(base, 60, 0.040, &[], 0.040, (1, 7));
-        let c = timed(base, 50, 0.100, &[1.0], 1.100, (2, 4));
+        // B and C waited 20 and 10 ms for a thread (client queue time).
+        let b = Sample {
+            queued: 0.020,
+            ..timed(base, 60, 0.040, &[], 0.040, (1, 7))
+        };
+        let c = Sample {
+            queued: 0.010,
+            ..timed(base, 50, 0.100, &[1.0], 1.100, (2, 4))
+        };
         let failed = Sample {
             sent: Some(base),
             ttft: 9.0,
@@ -1507,7 +1603,7 @@ mod tests {
             (3, 1, 16)
         );
         let close = |x: f64, want: f64| (x - want).abs() < 1e-9;
-        let f = Figures::of(&counted.ok, 2.0, None);
+        let f = Figures::of(&counted.ok, 2.0, None, QueueFigures::default());
         assert_eq!((f.completed, f.input, f.output, f.good), (3, 16, 6, None));
         assert!(close(f.rate(f.completed), 1.5));
         assert!(close(f.rate(f.output), 3.0) && close(f.rate(f.input + f.output), 11.0));
@@ -1532,7 +1628,9 @@ mod tests {
         let good = |pairs: &[&str]| {
             let pairs: Vec<String> = pairs.iter().map(|p| p.to_string()).collect();
             let g = Goodput::parse(&pairs).unwrap().unwrap();
-            Figures::of(&counted.ok, 2.0, Some(&g)).good.unwrap()
+            Figures::of(&counted.ok, 2.0, Some(&g), QueueFigures::default())
+                .good
+                .unwrap()
         };
         assert_eq!(good(&["ttft:50"]), 2);
         assert_eq!(good(&["ttft:50", "tpot:25"]), 2);
@@ -1540,21 +1638,39 @@ mod tests {
         assert_eq!(good(&["e2el:1100"]), 3);
         assert_eq!(good(&["e2el:1099.9"]), 2);
         let mut result = json!({});
-        Figures::of(
-            &counted.ok,
-            2.0,
-            Some(&Goodput::parse(&["ttft:50".into()]).unwrap().unwrap()),
-        )
-        .add_to(&mut result);
+        let g = Goodput::parse(&["ttft:50".into()]).unwrap().unwrap();
+        let shown = QueueFigures {
+            queue: true,
+            e2el: true,
+        };
+        Figures::of(&counted.ok, 2.0, Some(&g), shown).add_to(&mut result);
         assert_eq!(result["request_goodput"], json!(1.0));
         assert_eq!(result["max_concurrent_requests"], json!(2));
         assert!(close(result["p99_ttft_ms"].as_f64().unwrap(), 98.8));
+        // Client queue times 0, 20 and 10 ms; E2E latencies with them 60, 60 and 1,110 ms.
+        let key = |k: &str| {
+            result[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{k} in {result}"))
+        };
+        assert!(close(key("mean_client_queue_time_ms"), 10.0));
+        assert!(close(key("p99_client_queue_time_ms"), 10.0 + 0.98 * 10.0));
+        assert!(close(key("mean_e2el_including_client_queue_ms"), 410.0));
+        assert!(close(key("median_e2el_including_client_queue_ms"), 60.0));
+        assert!(close(
+            key("p99_e2el_including_client_queue_ms"),
+            60.0 + 0.98 * 1050.0
+        ));
         // No objectives: null, as vLLM writes it.
         let mut result = json!({});
         f.add_to(&mut result);
         assert_eq!(result["request_goodput"], serde_json::Value::Null);
+        assert!(
+            result.get("mean_client_queue_time_ms").is_none(),
+            "{result}"
+        );
         // Nothing succeeded: zeros, no NaN.
-        let none = Figures::of(&[], 0.0, None);
+        let none = Figures::of(&[], 0.0, None, QueueFigures::default());
         assert_eq!((none.peak_output, none.peak_concurrency), (0.0, 0));
         assert_eq!(none.rate(0), 0.0);
     }

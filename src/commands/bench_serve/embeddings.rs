@@ -247,6 +247,7 @@ mod tests {
             input,
             inputs,
             dimension,
+            due: std::time::Instant::now(),
         }
     }
 
