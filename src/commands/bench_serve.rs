@@ -874,6 +874,8 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         in_flight: 0,
         progress,
     };
+    // Whether a request due found every thread busy (and waited for one).
+    let mut capped = false;
     for (i, planned) in work.iter().enumerate() {
         // Arrival time: the trace's own, vLLM's at --request-rate, or all at once (no rate,
         // or an infinite one, as vLLM's default).
@@ -888,6 +890,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         // that the progress moves during a long run at a --request-rate.
         done.collect_until(&rx, Instant::now() + wait)?;
         while done.in_flight >= concurrency {
+            capped = true;
             done.push(rx.recv().context("benchmark threads vanished")?);
         }
         let mut next = job(&args, &model_for(), planned, &mut rng, dimension);
@@ -926,6 +929,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         duration,
         spec.filter(|s| s.draft_tokens > 0.0),
         trace_reuse,
+        capped,
     )
 }
 
@@ -1243,6 +1247,7 @@ fn report(
     duration: f64,
     spec: Option<SpecCounters>,
     trace_reuse: Option<TraceReuse>,
+    capped: bool,
 ) -> anyhow::Result<()> {
     let counted = Counted::of(samples);
     let ok = &counted.ok;
@@ -1250,13 +1255,14 @@ fn report(
         eprintln!("{warning}");
     }
     let goodput = Goodput::parse(&args.goodput)?;
-    let shown = QueueFigures::of(args, ok);
+    let shown = QueueFigures::of(args, capped);
     let held = ok.iter().filter(|s| s.queued >= HELD_S).count();
-    if args.max_concurrency.is_none() && held > 0 {
+    if args.max_concurrency.is_none() && capped {
         eprintln!(
-            "warning: {held} of {} successful requests waited for one of the \
-             {DEFAULT_IN_FLIGHT} threads; their latencies count from their sending, as vLLM's, \
-             and the wait is the Client Queue Time",
+            "warning: every one of the {DEFAULT_IN_FLIGHT} threads was busy when a request \
+             was due ({held} of {} successful requests waited 1 ms or more): their latencies \
+             count from their sending, as vLLM's, and the wait is the Client Queue Time; \
+             --max-concurrency sets the limit",
             ok.len()
         );
     }
@@ -1337,12 +1343,14 @@ struct QueueFigures {
     e2el: bool,
 }
 
-/// A wait for a thread this long or longer, without `--max-concurrency`, shows the queue.
+/// A wait for a thread this long or longer counts in the warning of a run whose requests
+/// found every thread busy without `--max-concurrency`.
 const HELD_S: f64 = 1e-3;
 
 impl QueueFigures {
-    fn of(args: &ServeBenchArgs, ok: &[&Sample]) -> QueueFigures {
-        let queue = args.max_concurrency.is_some() || ok.iter().any(|s| s.queued >= HELD_S);
+    /// The figures a run shows, `capped` if a request due found every thread busy.
+    fn of(args: &ServeBenchArgs, capped: bool) -> QueueFigures {
+        let queue = args.max_concurrency.is_some() || capped;
         QueueFigures {
             queue,
             e2el: queue && (paced_rate(args).is_some() || replays_times(args.dataset)),
