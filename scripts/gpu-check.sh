@@ -361,7 +361,7 @@ PY
     timeout "${BENCH_TIMEOUT:-240}" "$SY" bench serve --base-url http://127.0.0.1:18431 \
       ${SERVE_BENCH_ARGS:---max-concurrency 256 --num-prompts 1000 --input-len 128 --output-len 128} \
       --result-file "$OUT/serve-bench.json" >"$OUT/serve-bench.txt" 2>&1
-    note "bench serve rc=$?: $(python3 -c "import json; d=json.load(open('$OUT/serve-bench.json')); print({k: v for k, v in d.items() if isinstance(v, (int, float))})" 2>/dev/null | head -c 700)"
+    note "bench serve rc=$?: $(python3 -c "import json; d=json.load(open('$OUT/serve-bench.json')); print({k: round(v, 3) for k, v in d.items() if isinstance(v, (int, float)) and not k.startswith('std_')})" 2>/dev/null | head -c 1000)"
     # Embeddings under load (SERVE_EMBED_BENCH_ARGS, e.g. "--endpoint embeddings --num-prompts
     # 4096 --input-len 128 --max-concurrency 64"; unset: not run).
     if [ -n "${SERVE_EMBED_BENCH_ARGS:-}" ]; then

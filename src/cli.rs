@@ -311,11 +311,25 @@ pub struct ServeBenchArgs {
     #[arg(long, default_value_t = 64)]
     pub num_prompts: usize,
     /// Poisson arrival rate in requests/s (> 0); without it, or with `inf`, every request is
-    /// sent at once, as in vLLM. The trace and mooncake datasets keep their own arrival times.
+    /// sent at once, as in vLLM. Arrivals as vLLM's: each request's gap before it is drawn
+    /// (see --burstiness) and the times are scaled so that the last request arrives at
+    /// (requests) / rate. The trace and mooncake datasets keep their own arrival times.
     #[arg(long, allow_negative_numbers = true)]
     pub request_rate: Option<f64>,
-    /// Start a run whose arrivals are expected to span more than 24 hours ((--num-prompts - 1)
-    /// / --request-rate, or the trace's times over --time-scale). Without it such a run is
+    /// vLLM's burstiness of the arrivals at a --request-rate: the gaps are Gamma-distributed
+    /// with this shape (and the rate's mean), 1 the Poisson process (the default), below 1
+    /// burstier, above 1 more regular, `inf` evenly spaced (0.001..=1000, or inf).
+    #[arg(long, allow_negative_numbers = true)]
+    pub burstiness: Option<f64>,
+    /// vLLM's goodput: service level objectives as KEY:MILLISECONDS pairs, KEY one of ttft,
+    /// tpot and e2el (`--goodput ttft:200 tpot:40`). The report adds `Request goodput
+    /// (req/s)`: the successful requests meeting every objective given (a value equal to its
+    /// objective meets it; a request of one output token has a TPOT of 0 here), per second
+    /// of the run.
+    #[arg(long, num_args = 1.., value_name = "KEY:MS")]
+    pub goodput: Vec<String>,
+    /// Start a run whose arrivals are expected to span more than 24 hours (--num-prompts /
+    /// --request-rate, or the trace's times over --time-scale). Without it such a run is
     /// refused before any request is sent: it is more often a mistyped rate than a soak test.
     #[arg(long)]
     pub allow_long_run: bool,

@@ -691,6 +691,9 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
             "8",
             "--num-warmups",
             "3",
+            "--goodput",
+            "ttft:600000",
+            "e2el:600000",
         ])
         .arg("--base-url")
         .arg(format!("http://127.0.0.1:{}", server.port))
@@ -720,6 +723,10 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
         "Median TTFT (ms):",
         "P99 TPOT (ms):",
         "Mean ITL (ms):",
+        "Maximum request concurrency:",
+        "Request goodput (req/s):",
+        "Peak output token throughput (tok/s):",
+        "Peak concurrent requests:",
     ] {
         assert!(stdout.contains(label), "missing {label} in\n{stdout}");
     }
@@ -727,6 +734,30 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
         serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
     assert_eq!(v["completed"], 6);
     assert_eq!(v["total_output_tokens"], 48);
+    // Ten minutes' objectives: every request meets them, so the goodput is the throughput.
+    assert_eq!(v["request_goodput"], v["request_throughput"], "{v}");
+    // At most --max-concurrency in flight; vLLM's deviations beside the percentiles.
+    let peak = v["max_concurrent_requests"].as_u64().unwrap();
+    assert!((1..=4).contains(&peak), "{v}");
+    for key in [
+        "std_ttft_ms",
+        "std_tpot_ms",
+        "std_itl_ms",
+        "std_e2el_ms",
+        "mean_client_queue_time_ms",
+        "p99_client_queue_time_ms",
+    ] {
+        assert!(v[key].as_f64().is_some_and(|x| x >= 0.0), "{key} in {v}");
+    }
+    // Under --max-concurrency vLLM's client-side queueing shows; the queue-inclusive E2E
+    // latency only where a rate or a trace paces the arrivals.
+    assert!(stdout.contains("Mean Client Queue Time (ms):"), "{stdout}");
+    assert!(!stdout.contains("E2EL incl. Client Queue"), "{stdout}");
+    // A request's E2E latency runs to its last token, after its first.
+    assert!(
+        v["mean_e2el_ms"].as_f64().unwrap() >= v["mean_ttft_ms"].as_f64().unwrap(),
+        "{v}"
+    );
     assert!(!stdout.contains("Speculative Decoding"), "{stdout}");
     // The server reports its prefix cache on any dataset: random prompts share nothing, and
     // only the mooncake dataset has a trace's own reuse to set beside it.
@@ -858,18 +889,23 @@ fn bench_serve_reports_speculative_decoding_of_the_server() {
     for label in [
         "Speculative Decoding",
         "Acceptance rate (%):",
-        "Mean acceptance length:",
+        "Acceptance length:",
     ] {
         assert!(stdout.contains(label), "missing {label} in\n{stdout}");
     }
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
     assert_eq!(v["total_output_tokens"], 96);
-    let drafted = v["spec_decode_num_draft_tokens"].as_f64().expect("drafts");
-    let accepted = v["spec_decode_num_accepted_tokens"]
-        .as_f64()
-        .expect("accepted");
-    assert!(drafted > 0.0 && accepted <= drafted, "{v}");
+    // vLLM's keys, its rate in percent and its length 1 + accepted / drafts.
+    let number = |key: &str| v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"));
+    let drafts = number("spec_decode_num_drafts");
+    let drafted = number("spec_decode_draft_tokens");
+    let accepted = number("spec_decode_accepted_tokens");
+    assert!(drafts > 0.0 && drafted > 0.0 && accepted <= drafted, "{v}");
+    let rate = number("spec_decode_acceptance_rate");
+    assert!((rate - 100.0 * accepted / drafted).abs() < 1e-9, "{v}");
+    let length = number("spec_decode_acceptance_length");
+    assert!((length - (1.0 + accepted / drafts)).abs() < 1e-9, "{v}");
 }
 
 #[test]

@@ -69,6 +69,12 @@ struct Sample {
     /// The prompt tokens the server's prefix cache served, where its `usage` says
     /// (`prompt_tokens_details.cached_tokens`).
     cached_tokens: Option<usize>,
+    /// When it was sent (its connection up), where it was.
+    sent: Option<Instant>,
+    /// Seconds from when it was due to when a thread took it: its wait for a free thread at
+    /// `--max-concurrency` (vLLM's client queue time; the connection's set-up after it counts
+    /// in neither this nor the latencies, as on a connection vLLM's client reuses).
+    queued: f64,
 }
 
 /// The results of a run so far, counted on its progress (bar or lines).
@@ -170,6 +176,20 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
             show_range(&RATE_RANGE)
         );
     }
+    if let Some(b) = args.burstiness {
+        anyhow::ensure!(
+            b == f64::INFINITY || BURSTINESS_RANGE.contains(&b),
+            "--burstiness {} outside {} (or inf: evenly spaced arrivals)",
+            short_number(b),
+            show_range(&BURSTINESS_RANGE)
+        );
+        anyhow::ensure!(
+            args.request_rate.is_some_and(f64::is_finite) && !replays_times(args.dataset),
+            "--burstiness shapes the arrivals of a finite --request-rate (the trace and mooncake \
+             datasets keep their own times)"
+        );
+    }
+    Goodput::parse(&args.goodput)?;
     anyhow::ensure!(
         TIME_SCALE_RANGE.contains(&args.time_scale),
         "--time-scale {} outside {} (it divides the trace's arrival times: 2 = twice as fast)",
@@ -296,17 +316,126 @@ fn replays_times(dataset: ServeDataset) -> bool {
     matches!(dataset, ServeDataset::Trace | ServeDataset::Mooncake)
 }
 
-/// The time over which the run's requests are expected to arrive, in seconds: the trace's
-/// last arrival over `--time-scale`, or for Poisson arrivals at `--request-rate` the mean span
-/// `(n - 1) / rate` for its `n` requests (the first goes at once, the gaps average
-/// `1 / rate`); 0 when every request goes at once. The run lasts at least this long.
+/// The time over which the run's requests arrive, in seconds: the trace's last arrival over
+/// `--time-scale`, or at a `--request-rate` `n / rate` for its `n` requests (the last one's
+/// time, see [`arrival_times`]); 0 when every request goes at once. The run lasts at least
+/// this long.
 fn arrival_span_s(args: &ServeBenchArgs, work: &[Planned]) -> f64 {
     let trace_last = work.iter().filter_map(|w| w.at).reduce(f64::max);
     match (trace_last, args.request_rate) {
         (Some(t), _) => t / args.time_scale,
-        (None, Some(rate)) if rate.is_finite() => work.len().saturating_sub(1) as f64 / rate,
+        (None, Some(rate)) if rate.is_finite() => work.len() as f64 / rate,
         _ => 0.0,
     }
+}
+
+/// The `--request-rate` that paces the arrivals: a finite one, with a dataset without times
+/// of its own.
+fn paced_rate(args: &ServeBenchArgs) -> Option<f64> {
+    args.request_rate
+        .filter(|r| r.is_finite() && !replays_times(args.dataset))
+}
+
+/// Most and least `--burstiness` (besides `inf`): the Gamma shape of the arrival gaps.
+const BURSTINESS_RANGE: std::ops::RangeInclusive<f64> = 1e-3..=1e3;
+
+/// The arrival times of `n` requests at `rate` requests/s, in seconds after the start, as
+/// vLLM's `get_request` makes them: each request's gap before it (the first one's too) is
+/// drawn from a Gamma distribution of shape `burstiness` and mean `1 / rate` (exponential:
+/// a Poisson process, at burstiness 1; `1 / rate` each at `inf`), the times are their running
+/// sums, and they are scaled so that the last is `n / rate` exactly (vLLM: "to close the
+/// gap" of 1-2 % a sum of random gaps leaves, "for stabilizing the throughput data from
+/// different random seeds"). All 0 at an infinite rate.
+fn arrival_times(n: usize, rate: f64, burstiness: f64, rng: &mut ChaCha8Rng) -> Vec<f64> {
+    use rand_distr::{Distribution, Gamma};
+    if !rate.is_finite() || n == 0 {
+        return vec![0.0; n];
+    }
+    let gamma = (burstiness.is_finite())
+        .then(|| Gamma::new(burstiness, 1.0 / (rate * burstiness)).ok())
+        .flatten();
+    let mut t = 0.0;
+    let mut times: Vec<f64> = (0..n)
+        .map(|_| {
+            t += match &gamma {
+                Some(g) => g.sample(rng),
+                None => 1.0 / rate,
+            };
+            t
+        })
+        .collect();
+    let last = times[n - 1];
+    if last > 0.0 && last.is_finite() {
+        let scale = n as f64 / rate / last;
+        for t in &mut times {
+            *t *= scale;
+        }
+    }
+    times
+}
+
+/// vLLM's `--goodput` objectives, in seconds: a successful request is good when its TTFT,
+/// TPOT and E2E latency are each at most the objective given for it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Goodput {
+    ttft: Option<f64>,
+    tpot: Option<f64>,
+    e2el: Option<f64>,
+}
+
+/// Largest `--goodput` objective, in milliseconds (a year).
+const MAX_SLO_MS: f64 = 365.0 * 86_400.0 * 1e3;
+
+impl Goodput {
+    /// The objectives of `--goodput`'s `KEY:MS` pairs; `None` without any.
+    fn parse(pairs: &[String]) -> anyhow::Result<Option<Goodput>> {
+        if pairs.is_empty() {
+            return Ok(None);
+        }
+        let mut g = Goodput::default();
+        for pair in pairs {
+            let shown: String = pair.chars().take(64).collect();
+            let (key, ms) = pair.split_once(':').with_context(|| {
+                format!("--goodput `{shown}`: expected KEY:MILLISECONDS, KEY ttft, tpot or e2el")
+            })?;
+            let ms: f64 = ms
+                .trim()
+                .parse()
+                .ok()
+                .filter(|ms: &f64| (0.0..=MAX_SLO_MS).contains(ms))
+                .with_context(|| {
+                    format!("--goodput `{shown}`: the objective must be 0 to {MAX_SLO_MS} ms")
+                })?;
+            let slot = match key.trim() {
+                "ttft" => &mut g.ttft,
+                "tpot" => &mut g.tpot,
+                "e2el" => &mut g.e2el,
+                _ => anyhow::bail!("--goodput `{shown}`: KEY must be ttft, tpot or e2el"),
+            };
+            anyhow::ensure!(
+                slot.is_none(),
+                "--goodput `{shown}`: {} given twice",
+                key.trim()
+            );
+            *slot = Some(ms / 1e3);
+        }
+        Ok(Some(g))
+    }
+
+    /// Whether a successful request meets every objective: as vLLM's, a value equal to its
+    /// objective meets it, and a request of one output token (no TPOT) has a TPOT of 0.
+    fn met(&self, s: &Sample) -> bool {
+        let within = |slo: Option<f64>, v: f64| slo.is_none_or(|slo| v <= slo);
+        within(self.ttft, s.ttft)
+            && within(self.tpot, tpot(s).unwrap_or(0.0))
+            && within(self.e2el, s.latency)
+    }
+}
+
+/// A successful request's time per output token after the first, vLLM's `(latency - ttft) /
+/// (output tokens - 1)`; `None` for one of a single output token.
+fn tpot(s: &Sample) -> Option<f64> {
+    (s.output_tokens > 1).then(|| (s.latency - s.ttft) / (s.output_tokens - 1) as f64)
 }
 
 /// Refuses a run whose arrivals would span more than [`MAX_ARRIVAL_SPAN_S`] unless
@@ -528,6 +657,9 @@ struct Job {
     /// The length every vector of an embeddings answer must have: the test request's, once
     /// it is known.
     dimension: Option<usize>,
+    /// When it was due: its arrival, from which a request that waits for a free thread (at
+    /// `--max-concurrency`) counts its client queue time.
+    due: Instant,
 }
 
 /// The job of one planned request, its prompts drawn from `rng`: a streamed completion of
@@ -559,6 +691,7 @@ fn job(
         input: planned.inputs.iter().sum(),
         inputs: planned.inputs.len(),
         dimension,
+        due: Instant::now(),
     }
 }
 
@@ -585,6 +718,7 @@ fn spawn_workers(
             .name(format!("bench-{w}"))
             .spawn(move || {
                 while let Ok(job) = job_rx.recv() {
+                    let picked = Instant::now();
                     let key = key.as_deref();
                     let sample = match endpoint {
                         ServeEndpoint::Completions => {
@@ -594,11 +728,12 @@ fn spawn_workers(
                             embeddings::one_request(&target, &path, key, &job)
                         }
                     };
-                    let sample = sample.unwrap_or_else(|e| Sample {
+                    let mut sample = sample.unwrap_or_else(|e| Sample {
                         error: format!("{e:#}"),
                         inputs: job.inputs,
                         ..Sample::default()
                     });
+                    sample.queued = picked.saturating_duration_since(job.due).as_secs_f64();
                     if tx.send(sample).is_err() {
                         break;
                     }
@@ -707,6 +842,30 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         ServeEndpoint::Completions => spec_counters(&target),
         ServeEndpoint::Embeddings => None,
     };
+    // The arrivals at --request-rate, from a stream of their own: the prompts are the same
+    // at any rate.
+    let arrivals = match args.request_rate {
+        Some(rate) if !replays_times(args.dataset) => arrival_times(
+            work.len(),
+            rate,
+            args.burstiness.unwrap_or(1.0),
+            &mut ChaCha8Rng::seed_from_u64(args.seed ^ ARRIVAL_SEED),
+        ),
+        _ => Vec::new(),
+    };
+    if let Some(rate) = paced_rate(&args) {
+        let b = args.burstiness.unwrap_or(1.0);
+        let process = if b == 1.0 {
+            "Poisson process"
+        } else {
+            "Gamma distribution"
+        };
+        eprintln!(
+            "Traffic request rate: {} requests/s, burstiness factor {} ({process})",
+            short_number(rate),
+            short_number(b)
+        );
+    }
     let progress =
         super::progress("bench serve", work.len() as u64, "requests").counting_failures();
     let start = Instant::now();
@@ -715,18 +874,14 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         in_flight: 0,
         progress,
     };
-    let mut next_arrival = 0.0f64;
-    for planned in &work {
-        // Arrival time: the trace's own, Poisson at --request-rate, or all at once (no rate,
+    // Whether a request due found every thread busy (and waited for one).
+    let mut capped = false;
+    for (i, planned) in work.iter().enumerate() {
+        // Arrival time: the trace's own, vLLM's at --request-rate, or all at once (no rate,
         // or an infinite one, as vLLM's default).
-        let due = match (planned.at, args.request_rate) {
-            (Some(t), _) => t / args.time_scale,
-            (None, Some(rate)) if rate.is_finite() => {
-                let t = next_arrival;
-                next_arrival += -(1.0 - rng.random::<f64>()).ln() / rate;
-                t
-            }
-            _ => 0.0,
+        let due = match planned.at {
+            Some(t) => t / args.time_scale,
+            None => arrivals.get(i).copied().unwrap_or(0.0),
         };
         let wait = due - start.elapsed().as_secs_f64();
         let wait = Duration::try_from_secs_f64(wait.max(0.0))
@@ -735,10 +890,15 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         // that the progress moves during a long run at a --request-rate.
         done.collect_until(&rx, Instant::now() + wait)?;
         while done.in_flight >= concurrency {
+            capped = true;
             done.push(rx.recv().context("benchmark threads vanished")?);
         }
-        jobs.send(job(&args, &model_for(), planned, &mut rng, dimension))
-            .context("benchmark threads vanished")?;
+        let mut next = job(&args, &model_for(), planned, &mut rng, dimension);
+        next.due = start
+            .checked_add(Duration::try_from_secs_f64(due.max(0.0)).unwrap_or_default())
+            .unwrap_or(next.due)
+            .min(next.due);
+        jobs.send(next).context("benchmark threads vanished")?;
         done.in_flight += 1;
     }
     // Dropping the sender lets every worker end once the queue is empty.
@@ -758,6 +918,8 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             draft_tokens: b.draft_tokens - a.draft_tokens,
             accepted: b.accepted - a.accepted,
         }),
+        // Absent before the run: the server had drafted nothing yet (it publishes the
+        // counters from its first draft on), so the run's are its totals.
         (None, Some(b)) => Some(b),
         _ => None,
     };
@@ -767,6 +929,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
         duration,
         spec.filter(|s| s.draft_tokens > 0.0),
         trace_reuse,
+        capped,
     )
 }
 
@@ -781,6 +944,9 @@ fn percent(part: usize, whole: usize) -> f64 {
 
 /// Mixed into the seed for the test request's and the warmups' prompts.
 const WARMUP_SEED: u64 = 0x5741_524d_5550_5321;
+
+/// Mixed into the seed for the arrival times at a --request-rate.
+const ARRIVAL_SEED: u64 = 0x4152_5249_5641_4c53;
 
 /// Mixed into the seed for the adapters of --lora-modules.
 const LORA_SEED: u64 = 0x4c4f_5241_4d4f_4453;
@@ -817,6 +983,19 @@ struct SpecCounters {
     accepted: f64,
 }
 
+impl SpecCounters {
+    /// Accepted draft tokens of the draft tokens, in percent (vLLM's "Acceptance rate (%)").
+    fn acceptance_rate(&self) -> f64 {
+        100.0 * self.accepted / self.draft_tokens.max(1.0)
+    }
+
+    /// Tokens a draft step yields on average: its accepted drafts and the token the target
+    /// model adds (vLLM's "Acceptance length", 1 + accepted / drafts).
+    fn acceptance_length(&self) -> f64 {
+        1.0 + self.accepted / self.drafts.max(1.0)
+    }
+}
+
 /// Reads the speculative decoding counters from `/metrics`; `None` when the endpoint or the
 /// counters are missing (another server, or metrics behind a key).
 fn spec_counters(t: &Target) -> Option<SpecCounters> {
@@ -842,18 +1021,80 @@ fn parse_spec_counters(text: &str) -> Option<SpecCounters> {
     })
 }
 
-fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
+/// The mean, median, 99th percentile and standard deviation of a sample of seconds, in ms,
+/// as vLLM computes them with NumPy: percentiles interpolate linearly between the sorted
+/// values, the deviation is the population's (`np.std`), and an empty sample gives 0 for each
+/// (vLLM's `np.mean(x or 0)`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct Stats {
+    pub(super) mean: f64,
+    pub(super) median: f64,
+    pub(super) p99: f64,
+    pub(super) std: f64,
+}
+
+pub(super) fn stats(mut v: Vec<f64>) -> Stats {
+    if v.is_empty() {
+        return Stats::default();
+    }
     v.sort_by(|a, b| a.total_cmp(b));
-    let mean = if v.is_empty() {
-        0.0
-    } else {
-        v.iter().sum::<f64>() / v.len() as f64
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n;
+    Stats {
+        mean: mean * 1e3,
+        median: percentile(&v, 50.0) * 1e3,
+        p99: percentile(&v, 99.0) * 1e3,
+        std: var.sqrt() * 1e3,
+    }
+}
+
+impl Stats {
+    /// Adds `mean_NAME_ms`, `median_NAME_ms`, `p99_NAME_ms` and `std_NAME_ms` to `result`.
+    pub(super) fn add_to(&self, name: &str, result: &mut serde_json::Value) {
+        result[format!("mean_{name}_ms")] = json!(self.mean);
+        result[format!("median_{name}_ms")] = json!(self.median);
+        result[format!("p99_{name}_ms")] = json!(self.p99);
+        result[format!("std_{name}_ms")] = json!(self.std);
+    }
+}
+
+/// vLLM's peaks of a run over its successful requests: the most streamed chunks with a
+/// choice received within one second (buckets of whole seconds from the earliest sending,
+/// "Peak output token throughput"; a chunk a token, as vLLM counts them), and the most
+/// requests in flight at one moment (each from its sending to its last chunk, an end before
+/// a start at the same instant, "Peak concurrent requests").
+fn peaks(ok: &[&Sample]) -> (f64, usize) {
+    let Some(first) = ok.iter().filter_map(|s| s.sent).min() else {
+        return (0.0, 0);
     };
-    (
-        mean * 1e3,
-        percentile(&v, 50.0) * 1e3,
-        percentile(&v, 99.0) * 1e3,
-    )
+    let mut buckets: Vec<u64> = Vec::new();
+    let mut events: Vec<(f64, i8)> = Vec::with_capacity(2 * ok.len());
+    for s in ok {
+        let Some(sent) = s.sent else { continue };
+        let start = (sent - first).as_secs_f64();
+        let mut t = start + s.ttft;
+        buckets.push(t as u64);
+        for gap in &s.itl {
+            t += gap;
+            buckets.push(t as u64);
+        }
+        events.push((start, 1));
+        events.push((start + s.latency, -1));
+    }
+    buckets.sort_unstable();
+    let most_in_a_second = buckets
+        .chunk_by(|a, b| a == b)
+        .map(<[u64]>::len)
+        .max()
+        .unwrap_or(0);
+    events.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let (mut now, mut peak) = (0i64, 0i64);
+    for (_, delta) in events {
+        now += i64::from(delta);
+        peak = peak.max(now);
+    }
+    (most_in_a_second as f64, usize::try_from(peak).unwrap_or(0))
 }
 
 /// The warning, once per run, that the server sent no `usage` for some successful requests,
@@ -893,11 +1134,18 @@ impl<'a> Counted<'a> {
     }
 
     /// Prints the banner and the labels both endpoints' reports open with, in vLLM's order:
-    /// successful and failed requests, the run's duration and the input tokens.
-    fn print_head(&self, duration: f64) {
+    /// successful and failed requests, the concurrency and rate asked for (where given), the
+    /// run's duration and the input tokens.
+    fn print_head(&self, args: &ServeBenchArgs, duration: f64) {
         println!("{:=^50}", " Serving Benchmark Result ");
         println!("{:<40}{}", "Successful requests:", self.ok.len());
         println!("{:<40}{}", "Failed requests:", self.failed);
+        if let Some(c) = args.max_concurrency {
+            println!("{:<40}{}", "Maximum request concurrency:", c);
+        }
+        if let Some(rate) = paced_rate(args) {
+            println!("{:<40}{:.2}", "Request rate configured (RPS):", rate);
+        }
         println!("{:<40}{:.2}", "Benchmark duration (s):", duration);
         println!("{:<40}{}", "Total input tokens:", self.input);
     }
@@ -999,64 +1247,32 @@ fn report(
     duration: f64,
     spec: Option<SpecCounters>,
     trace_reuse: Option<TraceReuse>,
+    capped: bool,
 ) -> anyhow::Result<()> {
     let counted = Counted::of(samples);
     let ok = &counted.ok;
     if let Some(warning) = usage_warning(ok) {
         eprintln!("{warning}");
     }
-    let (failed, input) = (counted.failed, counted.input);
-    let output: usize = ok.iter().map(|s| s.output_tokens).sum();
-    let ttft = stats(ok.iter().map(|s| s.ttft).collect());
-    let tpot = stats(
-        ok.iter()
-            .filter(|s| s.output_tokens > 1)
-            .map(|s| (s.latency - s.ttft) / (s.output_tokens - 1) as f64)
-            .collect(),
-    );
-    let itl = stats(ok.iter().flat_map(|s| s.itl.iter().copied()).collect());
-    let e2el = stats(ok.iter().map(|s| s.latency).collect());
-    let d = duration.max(1e-9);
-    counted.print_head(duration);
-    println!("{:<40}{}", "Total generated tokens:", output);
-    println!(
-        "{:<40}{:.2}",
-        "Request throughput (req/s):",
-        ok.len() as f64 / d
-    );
-    println!(
-        "{:<40}{:.2}",
-        "Output token throughput (tok/s):",
-        output as f64 / d
-    );
-    println!(
-        "{:<40}{:.2}",
-        "Total Token throughput (tok/s):",
-        (input + output) as f64 / d
-    );
-    for (title, name, s) in [
-        ("Time to First Token", "TTFT", ttft),
-        ("Time per Output Token (excl. 1st token)", "TPOT", tpot),
-        ("Inter-token Latency", "ITL", itl),
-        ("End-to-end Latency", "E2EL", e2el),
-    ] {
-        println!("{:-^50}", title);
-        println!("{:<40}{:.2}", format!("Mean {name} (ms):"), s.0);
-        println!("{:<40}{:.2}", format!("Median {name} (ms):"), s.1);
-        println!("{:<40}{:.2}", format!("P99 {name} (ms):"), s.2);
+    let goodput = Goodput::parse(&args.goodput)?;
+    let shown = QueueFigures::of(args, capped);
+    let held = ok.iter().filter(|s| s.queued >= HELD_S).count();
+    if args.max_concurrency.is_none() && capped {
+        eprintln!(
+            "warning: every one of the {DEFAULT_IN_FLIGHT} threads was busy when a request \
+             was due ({held} of {} successful requests waited 1 ms or more): their latencies \
+             count from their sending, as vLLM's, and the wait is the Client Queue Time; \
+             --max-concurrency sets the limit",
+            ok.len()
+        );
     }
+    let figures = Figures::of(ok, duration, goodput.as_ref(), shown);
+    counted.print_head(args, duration);
+    figures.print();
     if let Some(sp) = spec {
         println!("{:-^50}", "Speculative Decoding");
-        println!(
-            "{:<40}{:.2}",
-            "Acceptance rate (%):",
-            100.0 * sp.accepted / sp.draft_tokens
-        );
-        println!(
-            "{:<40}{:.2}",
-            "Mean acceptance length:",
-            1.0 + sp.accepted / sp.drafts.max(1.0)
-        );
+        println!("{:<40}{:.2}", "Acceptance rate (%):", sp.acceptance_rate());
+        println!("{:<40}{:.2}", "Acceptance length:", sp.acceptance_length());
         println!("{:<40}{}", "Drafts:", sp.drafts);
         println!("{:<40}{}", "Draft tokens:", sp.draft_tokens);
         println!("{:<40}{}", "Accepted tokens:", sp.accepted);
@@ -1065,25 +1281,203 @@ fn report(
     reuse.print();
     close_report(args, samples, &counted, || {
         let mut result = json!({
-            "completed": ok.len(), "failed": failed, "duration": duration,
-            "total_input_tokens": input, "total_output_tokens": output,
-            "request_throughput": ok.len() as f64 / d, "output_throughput": output as f64 / d,
-            "total_token_throughput": (input + output) as f64 / d,
-            "mean_ttft_ms": ttft.0, "median_ttft_ms": ttft.1, "p99_ttft_ms": ttft.2,
-            "mean_tpot_ms": tpot.0, "median_tpot_ms": tpot.1, "p99_tpot_ms": tpot.2,
-            "mean_itl_ms": itl.0, "median_itl_ms": itl.1, "p99_itl_ms": itl.2,
-            "mean_e2el_ms": e2el.0, "median_e2el_ms": e2el.1, "p99_e2el_ms": e2el.2,
+            "completed": ok.len(), "failed": counted.failed, "duration": duration,
+            "total_input_tokens": counted.input,
             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+            "burstiness": args.burstiness.unwrap_or(1.0),
         });
+        figures.add_to(&mut result);
         if let Some(sp) = spec {
-            result["spec_decode_acceptance_rate"] = json!(sp.accepted / sp.draft_tokens);
+            // vLLM's keys: the rate in percent.
+            result["spec_decode_acceptance_rate"] = json!(sp.acceptance_rate());
+            result["spec_decode_acceptance_length"] = json!(sp.acceptance_length());
             result["spec_decode_num_drafts"] = json!(sp.drafts);
-            result["spec_decode_num_draft_tokens"] = json!(sp.draft_tokens);
-            result["spec_decode_num_accepted_tokens"] = json!(sp.accepted);
+            result["spec_decode_draft_tokens"] = json!(sp.draft_tokens);
+            result["spec_decode_accepted_tokens"] = json!(sp.accepted);
         }
         reuse.add_to(&mut result);
         result
     })
+}
+
+/// The figures of a completions run, over its successful requests, as vLLM's
+/// `calculate_metrics` defines them.
+#[derive(Debug, Clone, PartialEq)]
+struct Figures {
+    /// The run's duration in seconds (at least a nanosecond, to divide by).
+    duration: f64,
+    /// Successful requests.
+    completed: usize,
+    /// Their prompt tokens.
+    input: usize,
+    /// Their output tokens.
+    output: usize,
+    /// Those meeting every `--goodput` objective (`None` without objectives).
+    good: Option<usize>,
+    /// TTFT: sending to the first chunk with a choice.
+    ttft: Stats,
+    /// TPOT of each request of more than one output token.
+    tpot: Stats,
+    /// Every gap between two chunks with a choice, of every request.
+    itl: Stats,
+    /// E2E latency: sending to the last chunk with a choice.
+    e2el: Stats,
+    /// The most chunks with a choice received within a second.
+    peak_output: f64,
+    /// The most requests in flight at once.
+    peak_concurrency: usize,
+    /// The client queue time of each request, and its E2E latency with it.
+    queue: Stats,
+    e2el_with_queue: Stats,
+    /// Which of those the report shows.
+    shown: QueueFigures,
+}
+
+/// Which client-queue figures a report shows: vLLM's "Client-side Queueing" under
+/// `--max-concurrency`, and its "Queue-inclusive End-to-end Latency" too where the arrivals
+/// are paced (a rate or a trace's times). Without `--max-concurrency` the queue shows where
+/// requests waited for one of the [`DEFAULT_IN_FLIGHT`] threads all the same.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct QueueFigures {
+    queue: bool,
+    e2el: bool,
+}
+
+/// A wait for a thread this long or longer counts in the warning of a run whose requests
+/// found every thread busy without `--max-concurrency`.
+const HELD_S: f64 = 1e-3;
+
+impl QueueFigures {
+    /// The figures a run shows, `capped` if a request due found every thread busy.
+    fn of(args: &ServeBenchArgs, capped: bool) -> QueueFigures {
+        let queue = args.max_concurrency.is_some() || capped;
+        QueueFigures {
+            queue,
+            e2el: queue && (paced_rate(args).is_some() || replays_times(args.dataset)),
+        }
+    }
+}
+
+impl Figures {
+    fn of(
+        ok: &[&Sample],
+        duration: f64,
+        goodput: Option<&Goodput>,
+        shown: QueueFigures,
+    ) -> Figures {
+        let (peak_output, peak_concurrency) = peaks(ok);
+        Figures {
+            duration: duration.max(1e-9),
+            completed: ok.len(),
+            input: ok.iter().map(|s| s.prompt_tokens).sum(),
+            output: ok.iter().map(|s| s.output_tokens).sum(),
+            good: goodput.map(|g| ok.iter().filter(|s| g.met(s)).count()),
+            ttft: stats(ok.iter().map(|s| s.ttft).collect()),
+            tpot: stats(ok.iter().filter_map(|s| tpot(s)).collect()),
+            itl: stats(ok.iter().flat_map(|s| s.itl.iter().copied()).collect()),
+            e2el: stats(ok.iter().map(|s| s.latency).collect()),
+            peak_output,
+            peak_concurrency,
+            queue: stats(ok.iter().map(|s| s.queued).collect()),
+            e2el_with_queue: stats(ok.iter().map(|s| s.queued + s.latency).collect()),
+            shown,
+        }
+    }
+
+    /// The client-queue figures shown: (key, label, section title, figures).
+    fn queue_shown(&self) -> Vec<(&'static str, &'static str, &'static str, Stats)> {
+        let mut shown = Vec::new();
+        if self.shown.queue {
+            shown.push((
+                "client_queue_time",
+                "Client Queue Time",
+                "Client-side Queueing",
+                self.queue,
+            ));
+        }
+        if self.shown.e2el {
+            shown.push((
+                "e2el_including_client_queue",
+                "E2EL incl. Client Queue",
+                "Queue-inclusive End-to-end Latency",
+                self.e2el_with_queue,
+            ));
+        }
+        shown
+    }
+
+    /// Per second of the run.
+    fn rate(&self, n: usize) -> f64 {
+        n as f64 / self.duration
+    }
+
+    /// Prints the figures after the head, in vLLM's order and with its labels.
+    fn print(&self) {
+        println!("{:<40}{}", "Total generated tokens:", self.output);
+        println!(
+            "{:<40}{:.2}",
+            "Request throughput (req/s):",
+            self.rate(self.completed)
+        );
+        if let Some(good) = self.good {
+            println!("{:<40}{:.2}", "Request goodput (req/s):", self.rate(good));
+        }
+        println!(
+            "{:<40}{:.2}",
+            "Output token throughput (tok/s):",
+            self.rate(self.output)
+        );
+        println!(
+            "{:<40}{:.2}",
+            "Peak output token throughput (tok/s):", self.peak_output
+        );
+        println!(
+            "{:<40}{:.2}",
+            "Peak concurrent requests:", self.peak_concurrency as f64
+        );
+        println!(
+            "{:<40}{:.2}",
+            "Total Token throughput (tok/s):",
+            self.rate(self.input + self.output)
+        );
+        let queue = self.queue_shown();
+        for (title, name, s) in [
+            ("Time to First Token", "TTFT", self.ttft),
+            ("Time per Output Token (excl. 1st token)", "TPOT", self.tpot),
+            ("Inter-token Latency", "ITL", self.itl),
+            ("End-to-end Latency", "E2EL", self.e2el),
+        ]
+        .into_iter()
+        .chain(queue.iter().map(|&(_, name, title, s)| (title, name, s)))
+        {
+            println!("{:-^50}", title);
+            println!("{:<40}{:.2}", format!("Mean {name} (ms):"), s.mean);
+            println!("{:<40}{:.2}", format!("Median {name} (ms):"), s.median);
+            println!("{:<40}{:.2}", format!("P99 {name} (ms):"), s.p99);
+        }
+    }
+
+    /// Adds the figures to `--result-file`'s object, under vLLM's keys.
+    fn add_to(&self, result: &mut serde_json::Value) {
+        result["total_output_tokens"] = json!(self.output);
+        result["request_throughput"] = json!(self.rate(self.completed));
+        result["request_goodput"] = json!(self.good.map(|g| self.rate(g)));
+        result["output_throughput"] = json!(self.rate(self.output));
+        result["total_token_throughput"] = json!(self.rate(self.input + self.output));
+        result["max_output_tokens_per_s"] = json!(self.peak_output);
+        result["max_concurrent_requests"] = json!(self.peak_concurrency);
+        for (name, s) in [
+            ("ttft", self.ttft),
+            ("tpot", self.tpot),
+            ("itl", self.itl),
+            ("e2el", self.e2el),
+        ]
+        .into_iter()
+        .chain(self.queue_shown().iter().map(|&(key, _, _, s)| (key, s)))
+        {
+            s.add_to(name, result);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1151,9 +1545,201 @@ mod tests {
         assert_eq!(percentile(&v, 50.0), 2.5);
         assert!((percentile(&v, 99.0) - 3.97).abs() < 1e-12);
         assert_eq!(percentile(&[], 99.0), 0.0);
-        let (mean, p50, p99) = stats(vec![0.004, 0.001, 0.003, 0.002]);
-        assert!((mean - 2.5).abs() < 1e-9 && (p50 - 2.5).abs() < 1e-9);
-        assert!((p99 - 3.97).abs() < 1e-9);
+        let s = stats(vec![0.004, 0.001, 0.003, 0.002]);
+        assert!((s.mean - 2.5).abs() < 1e-9 && (s.median - 2.5).abs() < 1e-9);
+        assert!((s.p99 - 3.97).abs() < 1e-9);
+        // numpy.std([1, 2, 3, 4]) = sqrt(1.25) (the population's, ddof 0).
+        assert!((s.std - 1.25f64.sqrt()).abs() < 1e-9, "{s:?}");
+        // An empty sample is 0 throughout, as vLLM's `np.mean(x or 0)`; never NaN.
+        assert_eq!(stats(Vec::new()), Stats::default());
+        let mut result = json!({});
+        stats(Vec::new()).add_to("tpot", &mut result);
+        assert_eq!(result["std_tpot_ms"], json!(0.0));
+    }
+
+    /// A successful sample sent `sent_ms` after `base`: its TTFT, gaps and E2E latency in
+    /// seconds, its output and prompt tokens.
+    fn timed(
+        base: Instant,
+        sent_ms: u64,
+        ttft: f64,
+        itl: &[f64],
+        latency: f64,
+        (output_tokens, prompt_tokens): (usize, usize),
+    ) -> Sample {
+        Sample {
+            ok: true,
+            sent: Some(base + Duration::from_millis(sent_ms)),
+            ttft,
+            itl: itl.to_vec(),
+            latency,
+            output_tokens,
+            prompt_tokens,
+            inputs: 1,
+            ..Sample::default()
+        }
+    }
+
+    /// vLLM's `calculate_metrics` on three requests, every expected value worked out by hand
+    /// from its formulas (NumPy's linear percentiles: p99 of 3 values is at rank 1.98).
+    #[test]
+    fn figures_follow_vllm_calculate_metrics() {
+        let base = Instant::now();
+        // A: chunks at 10, 30 and 60 ms; B (sent as A ends): one chunk at 100 ms; C (sent at
+        // 50 ms): chunks at 150 and 1,150 ms.
+        let a = timed(base, 0, 0.010, &[0.020, 0.030], 0.060, (3, 5));
+        // B and C waited 20 and 10 ms for a thread (client queue time).
+        let b = Sample {
+            queued: 0.020,
+            ..timed(base, 60, 0.040, &[], 0.040, (1, 7))
+        };
+        let c = Sample {
+            queued: 0.010,
+            ..timed(base, 50, 0.100, &[1.0], 1.100, (2, 4))
+        };
+        let failed = Sample {
+            sent: Some(base),
+            ttft: 9.0,
+            latency: 9.0,
+            output_tokens: 100,
+            ..Sample::default()
+        };
+        let samples = [a, b, c, failed];
+        let counted = Counted::of(&samples);
+        assert_eq!(
+            (counted.ok.len(), counted.failed, counted.input),
+            (3, 1, 16)
+        );
+        let close = |x: f64, want: f64| (x - want).abs() < 1e-9;
+        let f = Figures::of(&counted.ok, 2.0, None, QueueFigures::default());
+        assert_eq!((f.completed, f.input, f.output, f.good), (3, 16, 6, None));
+        assert!(close(f.rate(f.completed), 1.5));
+        assert!(close(f.rate(f.output), 3.0) && close(f.rate(f.input + f.output), 11.0));
+        // TTFT 10, 40, 100 ms.
+        assert!(close(f.ttft.mean, 50.0) && close(f.ttft.median, 40.0));
+        assert!(close(f.ttft.p99, 40.0 + 0.98 * 60.0), "{:?}", f.ttft);
+        // TPOT excludes the first token and B (one token): (60 - 10) / 2 = 25 ms, and
+        // (1,100 - 100) / 1 = 1,000 ms.
+        assert!(close(f.tpot.mean, 512.5) && close(f.tpot.median, 512.5));
+        assert!(close(f.tpot.p99, 25.0 + 0.99 * 975.0), "{:?}", f.tpot);
+        // ITL: every gap of every request, 20, 30 and 1,000 ms.
+        assert!(close(f.itl.mean, 350.0) && close(f.itl.median, 30.0));
+        assert!(close(f.itl.p99, 30.0 + 0.98 * 970.0), "{:?}", f.itl);
+        // E2EL 60, 40, 1,100 ms; the failure counts nowhere.
+        assert!(close(f.e2el.mean, 400.0) && close(f.e2el.median, 60.0));
+        assert!(close(f.e2el.p99, 60.0 + 0.98 * 1040.0), "{:?}", f.e2el);
+        // Five chunks within the first second; A and C in flight at once, and B, sent as A
+        // ends, not a third (vLLM's half-open intervals).
+        assert_eq!((f.peak_output, f.peak_concurrency), (5.0, 2));
+        // Goodput: a TTFT of at most 50 ms is A's and B's; a TPOT objective of 25 ms keeps
+        // A (equal meets it) and B (one token: a TPOT of 0); 24.9 drops A.
+        let good = |pairs: &[&str]| {
+            let pairs: Vec<String> = pairs.iter().map(|p| p.to_string()).collect();
+            let g = Goodput::parse(&pairs).unwrap().unwrap();
+            Figures::of(&counted.ok, 2.0, Some(&g), QueueFigures::default())
+                .good
+                .unwrap()
+        };
+        assert_eq!(good(&["ttft:50"]), 2);
+        assert_eq!(good(&["ttft:50", "tpot:25"]), 2);
+        assert_eq!(good(&["tpot:24.9", "ttft:50"]), 1);
+        assert_eq!(good(&["e2el:1100"]), 3);
+        assert_eq!(good(&["e2el:1099.9"]), 2);
+        let mut result = json!({});
+        let g = Goodput::parse(&["ttft:50".into()]).unwrap().unwrap();
+        let shown = QueueFigures {
+            queue: true,
+            e2el: true,
+        };
+        Figures::of(&counted.ok, 2.0, Some(&g), shown).add_to(&mut result);
+        assert_eq!(result["request_goodput"], json!(1.0));
+        assert_eq!(result["max_concurrent_requests"], json!(2));
+        assert!(close(result["p99_ttft_ms"].as_f64().unwrap(), 98.8));
+        // Client queue times 0, 20 and 10 ms; E2E latencies with them 60, 60 and 1,110 ms.
+        let key = |k: &str| {
+            result[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{k} in {result}"))
+        };
+        assert!(close(key("mean_client_queue_time_ms"), 10.0));
+        assert!(close(key("p99_client_queue_time_ms"), 10.0 + 0.98 * 10.0));
+        assert!(close(key("mean_e2el_including_client_queue_ms"), 410.0));
+        assert!(close(key("median_e2el_including_client_queue_ms"), 60.0));
+        assert!(close(
+            key("p99_e2el_including_client_queue_ms"),
+            60.0 + 0.98 * 1050.0
+        ));
+        // No objectives: null, as vLLM writes it.
+        let mut result = json!({});
+        f.add_to(&mut result);
+        assert_eq!(result["request_goodput"], serde_json::Value::Null);
+        assert!(
+            result.get("mean_client_queue_time_ms").is_none(),
+            "{result}"
+        );
+        // Nothing succeeded: zeros, no NaN.
+        let none = Figures::of(&[], 0.0, None, QueueFigures::default());
+        assert_eq!((none.peak_output, none.peak_concurrency), (0.0, 0));
+        assert_eq!(none.rate(0), 0.0);
+    }
+
+    #[test]
+    fn goodput_objectives_parse_as_vllm_names_them() {
+        let parse = |pairs: &[&str]| {
+            Goodput::parse(&pairs.iter().map(|p| p.to_string()).collect::<Vec<_>>())
+        };
+        assert_eq!(parse(&[]).unwrap(), None);
+        assert_eq!(
+            parse(&["ttft:200", "tpot:40", "e2el:0"]).unwrap(),
+            Some(Goodput {
+                ttft: Some(0.2),
+                tpot: Some(0.04),
+                e2el: Some(0.0)
+            })
+        );
+        for bad in [
+            &["ttft"][..],
+            &["ttft:"],
+            &["itl:5"],
+            &["ttft:-1"],
+            &["ttft:NaN"],
+            &["ttft:inf"],
+            &["ttft:1", "ttft:2"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    /// vLLM's arrivals: a gap before every request, the first too, scaled so the last
+    /// arrives at n / rate.
+    #[test]
+    fn arrivals_at_a_rate_are_vllms() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        assert_eq!(arrival_times(3, f64::INFINITY, 1.0, &mut rng), vec![0.0; 3]);
+        // Evenly spaced: 1 / rate each, the first one gap after the start.
+        assert_eq!(
+            arrival_times(4, 2.0, f64::INFINITY, &mut rng),
+            vec![0.5, 1.0, 1.5, 2.0]
+        );
+        // The coefficient of variation of Gamma gaps of shape k is 1 / sqrt(k): 1 for the
+        // Poisson process, 2 at burstiness 0.25, 0.5 at 4.
+        for (burstiness, cv) in [(1.0, 1.0), (0.25, 2.0), (4.0, 0.5)] {
+            let n = 20_000;
+            let times = arrival_times(n, 50.0, burstiness, &mut rng);
+            assert!((times[n - 1] - n as f64 / 50.0).abs() < 1e-9);
+            assert!(times[0] > 0.0 && times.windows(2).all(|w| w[0] <= w[1]));
+            let gaps: Vec<f64> = std::iter::once(times[0])
+                .chain(times.windows(2).map(|w| w[1] - w[0]))
+                .collect();
+            let mean = gaps.iter().sum::<f64>() / n as f64;
+            assert!((mean - 1.0 / 50.0).abs() < 1e-12, "{mean}");
+            let sd = (gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / n as f64).sqrt();
+            assert!(
+                (sd / mean - cv).abs() < 0.08 * cv,
+                "burstiness {burstiness}: cv {}",
+                sd / mean
+            );
+        }
     }
 
     #[test]
@@ -1284,8 +1870,25 @@ mod tests {
             // 2048 prompts of 1024 tokens: 2^21 ids in one request.
             "--endpoint embeddings --embedding-batch 2048 --input-len 1024",
             "--endpoint embeddings --embedding-batch 1024 --dataset sharegpt",
+            // Burstiness shapes the gaps of a finite rate, and only those.
+            "--burstiness 0.5",
+            "--request-rate inf --burstiness 0.5",
+            "--request-rate 2 --burstiness 0",
+            "--request-rate 2 --burstiness=-1",
+            "--request-rate 2 --burstiness NaN",
+            "--request-rate 2 --burstiness 1e9",
+            "--dataset trace --request-rate 2 --burstiness 2",
+            "--goodput ttft",
+            "--goodput itl:5",
         ] {
             assert!(validate(&serve_args(bad)).is_err(), "{bad:?} was accepted");
+        }
+        for good in [
+            "--request-rate 2 --burstiness 0.25",
+            "--request-rate 2 --burstiness inf",
+            "--goodput ttft:200 tpot:40",
+        ] {
+            assert!(validate(&serve_args(good)).is_ok(), "{good:?} was refused");
         }
         for good in [
             "--endpoint embeddings",
@@ -1362,7 +1965,7 @@ mod tests {
         );
         // At a rate, the span counts requests, not prompts: 11 prompts in 3 requests.
         let args = "--endpoint embeddings --embedding-batch 4 --num-prompts 11 --request-rate 2";
-        assert_eq!(span_check(args).unwrap(), 1.0);
+        assert_eq!(span_check(args).unwrap(), 1.5);
     }
 
     /// The span a run's arrivals are expected to take, and the refusal of one longer than a
@@ -1382,14 +1985,15 @@ mod tests {
             span_check("--num-prompts 1000 --request-rate inf").unwrap(),
             0.0
         );
+        // The last of n requests arrives at n / rate, as vLLM's.
         assert_eq!(
             span_check("--num-prompts 11 --request-rate 2").unwrap(),
-            5.0
+            5.5
         );
         // 86,400 s exactly is allowed; one request more is not.
-        let day = "--request-rate 0.5 --num-prompts 43201";
+        let day = "--request-rate 0.5 --num-prompts 43200";
         assert_eq!(span_check(day).unwrap(), 86_400.0);
-        assert!(span_check("--request-rate 0.5 --num-prompts 43202").is_err());
+        assert!(span_check("--request-rate 0.5 --num-prompts 43201").is_err());
         let e = span_check("--request-rate 0.001 --num-prompts 1000").unwrap_err();
         assert_eq!(
             e.to_string(),
@@ -1399,7 +2003,7 @@ mod tests {
              anyway"
         );
         let allowed = "--request-rate 0.001 --num-prompts 1000 --allow-long-run";
-        assert!((span_check(allowed).unwrap() - 999_000.0).abs() < 1e-6);
+        assert!((span_check(allowed).unwrap() - 1_000_000.0).abs() < 1e-6);
         // A trace's own times count, over --time-scale.
         let dir = crate::scratch::ScratchDir::new("bench-span");
         let path = dir.join("d.csv");

@@ -1,12 +1,11 @@
 //! `bench serve --endpoint embeddings`: each request POSTs `/v1/embeddings` with the token
 //! ids of one prompt, or of `--embedding-batch` prompts as a list of id lists, and is timed
-//! from the connection to the last byte of the answer (vLLM's `openai-embeddings` backend
-//! times the same request, and reports only its end-to-end latency).
+//! from its sending, once its connection is up, to the last byte of the answer (vLLM's
+//! `openai-embeddings` backend times the same request on a connection it reuses, and reports
+//! only its end-to-end latency).
 //!
 //! Every answer is checked before it counts as a success: status 200, one vector per input,
 //! each a list of finite floats, all of one length (the test request's, for the whole run).
-
-use std::time::Instant;
 
 use serde::Deserialize;
 use serde_json::json;
@@ -137,11 +136,12 @@ pub(super) fn one_request(
     key: Option<&str>,
     job: &Job,
 ) -> anyhow::Result<Sample> {
-    let t0 = Instant::now();
     let mut head = post(target, path, key, &job.body)?;
+    let t0 = head.sent;
     let mut sample = Sample {
         prompt_tokens: job.input,
         inputs: job.inputs,
+        sent: Some(t0),
         ..Sample::default()
     };
     if head.status != 200 {
@@ -196,7 +196,7 @@ pub(super) fn report(
     let dimension = ok.first().map_or(0, |s| s.dimension);
     let e2el = stats(ok.iter().map(|s| s.latency).collect());
     let d = duration.max(1e-9);
-    counted.print_head(duration);
+    counted.print_head(args, duration);
     println!(
         "{:<40}{:.2}",
         "Request throughput (req/s):",
@@ -215,9 +215,9 @@ pub(super) fn report(
     );
     println!("{:<40}{}", "Embedding dimension:", dimension);
     println!("{:-^50}", "End-to-end Latency");
-    println!("{:<40}{:.2}", "Mean E2EL (ms):", e2el.0);
-    println!("{:<40}{:.2}", "Median E2EL (ms):", e2el.1);
-    println!("{:<40}{:.2}", "P99 E2EL (ms):", e2el.2);
+    println!("{:<40}{:.2}", "Mean E2EL (ms):", e2el.mean);
+    println!("{:<40}{:.2}", "Median E2EL (ms):", e2el.median);
+    println!("{:<40}{:.2}", "P99 E2EL (ms):", e2el.p99);
     let reuse = PrefixReuse::of(&counted, trace_reuse);
     reuse.print();
     close_report(args, samples, &counted, || {
@@ -227,9 +227,10 @@ pub(super) fn report(
             "total_input_tokens": input, "completed_inputs": inputs,
             "request_throughput": ok.len() as f64 / d, "total_token_throughput": input as f64 / d,
             "input_throughput": inputs as f64 / d, "embedding_dimension": dimension,
-            "mean_e2el_ms": e2el.0, "median_e2el_ms": e2el.1, "p99_e2el_ms": e2el.2,
             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+            "burstiness": args.burstiness.unwrap_or(1.0),
         });
+        e2el.add_to("e2el", &mut result);
         reuse.add_to(&mut result);
         result
     })
@@ -246,6 +247,7 @@ mod tests {
             input,
             inputs,
             dimension,
+            due: std::time::Instant::now(),
         }
     }
 

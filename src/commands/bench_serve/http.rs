@@ -376,6 +376,8 @@ struct StreamTimer {
     chunks: usize,
     /// `usage.completion_tokens`, the latest the server sent.
     usage_tokens: Option<usize>,
+    /// `usage.prompt_tokens`, the latest the server sent.
+    usage_prompt_tokens: Option<usize>,
     /// `usage.prompt_tokens_details.cached_tokens`, the latest the server sent.
     cached_tokens: Option<usize>,
 }
@@ -388,7 +390,14 @@ impl StreamTimer {
             .and_then(|u| u.get("completion_tokens"))
             .and_then(|c| c.as_u64())
         {
-            self.usage_tokens = Some(u as usize);
+            self.usage_tokens = Some(usize::try_from(u).unwrap_or(usize::MAX));
+        }
+        if let Some(p) = v
+            .get("usage")
+            .and_then(|u| u.get("prompt_tokens"))
+            .and_then(|c| c.as_u64())
+        {
+            self.usage_prompt_tokens = Some(usize::try_from(p).unwrap_or(usize::MAX));
         }
         if let Some(c) = v
             .get("usage")
@@ -410,12 +419,20 @@ impl StreamTimer {
         self.chunks += 1;
     }
 
-    /// Sets the sample's output tokens: the server's usage, or without one the chunks with a
-    /// choice (a token each; fewer than the tokens when a chunk carries several, as with
-    /// speculative decoding), flagged in [`Sample::usage_missing`].
-    fn finish(&self, sample: &mut Sample) {
+    /// Ends the sample of a request sent at `t0`, its stream read: its E2E latency runs to
+    /// the last chunk with a choice, as vLLM's (the usage chunk and `[DONE]` after it carry no
+    /// token; without any such chunk, to `end`); its output tokens are the server's usage, or
+    /// without one the chunks with a choice (a token each; fewer than the tokens when a chunk
+    /// carries several, as with speculative decoding), flagged in [`Sample::usage_missing`];
+    /// its prompt tokens are the server's `usage.prompt_tokens` where it sent one (as vLLM's),
+    /// else the ids sent.
+    fn finish(&self, t0: Instant, end: Instant, sample: &mut Sample) {
+        sample.latency = (self.last.unwrap_or(end) - t0).as_secs_f64();
         sample.output_tokens = self.usage_tokens.unwrap_or(self.chunks);
         sample.usage_missing = self.usage_tokens.is_none();
+        if let Some(p) = self.usage_prompt_tokens {
+            sample.prompt_tokens = p;
+        }
         sample.cached_tokens = self.cached_tokens;
     }
 }
@@ -430,6 +447,10 @@ pub(super) struct ResponseHead {
     pub(super) chunked: bool,
     /// The body's length, where the head gives one (`Content-Length`) and it is not chunked.
     pub(super) length: Option<u64>,
+    /// When the request was sent: once the connection was up (its TLS handshake done), before
+    /// its first byte was written. A request's latencies count from here, as vLLM's client,
+    /// which reuses its connections, counts them from the request it sends on one.
+    pub(super) sent: Instant,
 }
 
 /// POSTs `body` (JSON) to `path` on a fresh connection and reads the response's head.
@@ -440,6 +461,7 @@ pub(super) fn post(
     body: &str,
 ) -> anyhow::Result<ResponseHead> {
     let mut stream = connect(t)?;
+    let sent = Instant::now();
     // One write: over TLS each write is a record of its own.
     let request = format!(
         "POST {path} HTTP/1.1\r\nHost: {}\r\n{}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -479,6 +501,7 @@ pub(super) fn post(
         status,
         chunked,
         length: length.filter(|_| !chunked),
+        sent,
     })
 }
 
@@ -542,9 +565,12 @@ impl ResponseHead {
     }
 }
 
-/// Sends one streaming completion and timestamps its chunks. As in vLLM, a request succeeds
-/// when its stream completes (`[DONE]`) after at least one chunk with a choice, even one
-/// without text (an immediate end of sequence).
+/// Sends one streaming completion and timestamps its chunks. A request succeeds when its
+/// stream completes (`[DONE]`) after at least one chunk with a choice, even one without text
+/// (an immediate end of sequence), as in vLLM, and carries no `error` event and no event
+/// that is not JSON. vLLM's client is laxer there: it counts a stream cut before `[DONE]`, or
+/// one whose server reported an error after some tokens, a success; this one counts them
+/// failed, so a server's failures do not add to its throughput.
 pub(super) fn one_request(
     t: &Target,
     path: &str,
@@ -552,11 +578,12 @@ pub(super) fn one_request(
     body: &str,
     input: usize,
 ) -> anyhow::Result<Sample> {
-    let t0 = Instant::now();
     let mut head = post(t, path, key, body)?;
+    let t0 = head.sent;
     let mut sample = Sample {
         prompt_tokens: input,
         inputs: 1,
+        sent: Some(t0),
         ..Sample::default()
     };
     if head.status != 200 {
@@ -568,6 +595,8 @@ pub(super) fn one_request(
     let mut events = EventStream::default();
     let mut timer = StreamTimer::default();
     let mut done = false;
+    // The first error event, or event that is not JSON.
+    let mut failure: Option<String> = None;
     let mut buf = Vec::new();
     while !done {
         buf.clear();
@@ -600,15 +629,24 @@ pub(super) fn one_request(
                 done = true;
                 break;
             }
-            let v: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
-            timer.on_chunk(&v, now, t0, &mut sample);
+            match serde_json::from_str::<serde_json::Value>(data) {
+                Ok(v) if v.get("error").is_some() => {
+                    let shown: String = data.chars().take(200).collect();
+                    failure.get_or_insert(format!("the stream reported an error: {shown}"));
+                }
+                Ok(v) => timer.on_chunk(&v, now, t0, &mut sample),
+                Err(e) => {
+                    failure.get_or_insert(format!("an event of the stream is not JSON: {e}"));
+                }
+            }
         }
     }
-    sample.latency = t0.elapsed().as_secs_f64();
-    timer.finish(&mut sample);
+    timer.finish(t0, Instant::now(), &mut sample);
     let any = timer.chunks > 0;
-    sample.ok = done && any;
-    if !done {
+    sample.ok = done && any && failure.is_none();
+    if let Some(failure) = failure {
+        sample.error = failure;
+    } else if !done {
         sample.error = "stream ended without [DONE]".into();
     } else if !any {
         sample.error = "stream ended without a completion chunk".into();
@@ -744,7 +782,10 @@ mod tests {
         }
         let usage = serde_json::json!({"choices": [], "usage": {"completion_tokens": 4}});
         timer.on_chunk(&usage, ms(11), t0, &mut sample);
-        timer.finish(&mut sample);
+        // `[DONE]` at 12 ms: the E2E latency ends at the last chunk with a choice (10 ms), as
+        // vLLM's `most_recent_timestamp - st`, not at the usage chunk or the stream's end.
+        timer.finish(t0, ms(12), &mut sample);
+        assert_eq!(sample.latency, 0.010);
         // A usage without `prompt_tokens_details` says nothing of the prefix cache.
         assert_eq!(sample.cached_tokens, None);
         assert_eq!(sample.ttft, 0.001);
@@ -768,8 +809,10 @@ mod tests {
         let usage = serde_json::json!({"choices": [], "usage": {"prompt_tokens": 40,
             "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 32}}});
         timer.on_chunk(&usage, t0, t0, &mut sample);
-        timer.finish(&mut sample);
+        timer.finish(t0, t0, &mut sample);
         assert_eq!(sample.cached_tokens, Some(32));
+        // The server's prompt tokens replace the ids counted when it sends them, as vLLM's.
+        assert_eq!(sample.prompt_tokens, 40);
     }
 
     /// The plain-HTTP target on a loopback port.
@@ -780,6 +823,12 @@ mod tests {
     /// Answers the first connection on a loopback port with `response` once the request
     /// (whose body is `{}`) has arrived.
     fn serve_once(response: String) -> u16 {
+        serve_in_parts(vec![(Duration::ZERO, response)])
+    }
+
+    /// Answers the first connection on a loopback port, once the request (whose body is
+    /// `{}`) has arrived, with each part after its pause.
+    fn serve_in_parts(parts: Vec<(Duration, String)>) -> u16 {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         std::thread::spawn(move || {
@@ -792,9 +841,44 @@ mod tests {
                     Ok(n) => got.extend_from_slice(&buf[..n]),
                 }
             }
-            let _ = s.write_all(response.as_bytes());
+            for (pause, part) in parts {
+                std::thread::sleep(pause);
+                if s.write_all(part.as_bytes())
+                    .and_then(|()| s.flush())
+                    .is_err()
+                {
+                    return;
+                }
+            }
         });
         port
+    }
+
+    /// vLLM's E2E latency ends at the last chunk with a choice: a usage chunk and `[DONE]`
+    /// that come later (here 200 ms later) do not lengthen it, so a one-chunk answer's E2E
+    /// latency is its TTFT; its prompt tokens are the server's `usage.prompt_tokens`.
+    #[test]
+    fn the_latency_ends_at_the_last_token_not_at_done() {
+        let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n";
+        let usage = serde_json::json!({"choices": [],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 1}});
+        let port = serve_in_parts(vec![
+            (
+                Duration::ZERO,
+                format!("{head}data: {}\n\n", text_chunk("a")),
+            ),
+            (
+                Duration::from_millis(200),
+                format!("data: {usage}\n\ndata: [DONE]\n\n"),
+            ),
+        ]);
+        let sent = Instant::now();
+        let sample = one_request(&local(port), "/v1/completions", None, "{}", 3).unwrap();
+        assert!(sample.ok, "{}", sample.error);
+        assert!(sent.elapsed() >= Duration::from_millis(200));
+        assert_eq!(sample.latency, sample.ttft);
+        assert!(sample.itl.is_empty());
+        assert_eq!((sample.prompt_tokens, sample.output_tokens), (4, 1));
     }
 
     #[test]
@@ -812,6 +896,53 @@ mod tests {
         // Every chunk is timed, the empty ones too.
         assert_eq!(sample.itl.len(), 3);
         assert_eq!(sample.prompt_tokens, 3);
+    }
+
+    /// A stream that reports an error after its first tokens, or sends an event that is not
+    /// JSON, fails its request, `[DONE]` or not (vLLM's client counts the first a success).
+    #[test]
+    fn an_error_event_after_tokens_fails_the_request() {
+        let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n";
+        for (event, why) in [
+            (
+                r#"{"error":{"message":"the server is shutting down","type":"unavailable"}}"#,
+                "the stream reported an error: ",
+            ),
+            ("{\"choices\": [", "an event of the stream is not JSON"),
+        ] {
+            let response = format!(
+                "{head}data: {}\n\ndata: {event}\n\ndata: [DONE]\n\n",
+                text_chunk("a")
+            );
+            let sample = one_request(
+                &local(serve_once(response)),
+                "/v1/completions",
+                None,
+                "{}",
+                3,
+            )
+            .unwrap();
+            assert!(
+                !sample.ok && sample.error.starts_with(why),
+                "{}",
+                sample.error
+            );
+        }
+        // Cut before [DONE]: failed too.
+        let response = format!("{head}data: {}\n\n", text_chunk("a"));
+        let sample = one_request(
+            &local(serve_once(response)),
+            "/v1/completions",
+            None,
+            "{}",
+            3,
+        )
+        .unwrap();
+        assert!(
+            !sample.ok && sample.error.contains("[DONE]"),
+            "{}",
+            sample.error
+        );
     }
 
     /// A body that is not streamed reads whole, chunked or up to the end of the connection,
