@@ -1,5 +1,6 @@
 //! The documents' checkable claims against the code: every command line of README.md uses
-//! only flags its subcommand's `--help` lists, and ARCHITECTURE.md's dependency table explains
+//! only flags its subcommand's `--help` lists, every configuration key the documents name is
+//! one the server or a simulation spec reads, and ARCHITECTURE.md's dependency table explains
 //! every dependency the workspace's manifests declare, and nothing else.
 
 mod common;
@@ -238,5 +239,190 @@ fn architecture_explains_every_dependency_and_only_those() {
     assert!(
         gone.is_empty(),
         "ARCHITECTURE.md explains crates no manifest declares: {gone:?}"
+    );
+}
+
+/// The dotted configuration keys (`server.max_body_bytes`, `tiers.<name>.weight`,
+/// `lora.adapters[i].pinned`) a text names in its code spans, file names aside.
+fn config_keys(text: &str) -> BTreeSet<String> {
+    const SECTIONS: [&str; 13] = [
+        "model",
+        "server",
+        "cache",
+        "scheduler",
+        "tiers",
+        "logging",
+        "lora",
+        "speculative",
+        "hardware",
+        "workload",
+        "policies",
+        "calibration",
+        "seed",
+    ];
+    const FILES: [&str; 10] = [
+        ".rs", ".md", ".yaml", ".yml", ".json", ".jsonl", ".csv", ".py", ".sh", ".txt",
+    ];
+    let mut out = BTreeSet::new();
+    for span in text.split('`').skip(1).step_by(2) {
+        let token_char =
+            |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || "_.<>[]{}".contains(c);
+        for token in span.split(|c: char| !token_char(c)) {
+            let token = token.trim_end_matches('.');
+            let Some((first, _)) = token.split_once('.') else {
+                continue;
+            };
+            if SECTIONS.contains(&first) && !FILES.iter().any(|f| token.ends_with(f)) {
+                out.insert(token.to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// `root` with `key` (dotted, `<name>` or `{name}` a map's entry, `[i]` a list's) set to null
+/// under it, the mappings and lists on its way made (a preset's name becomes a mapping).
+fn with_key(root: &serde_yaml::Value, key: &str) -> serde_yaml::Value {
+    use serde_yaml::{Mapping, Value};
+    let mut root = root.clone();
+    let mut at = &mut root;
+    for part in key.split('.') {
+        let (name, list) = match part.split_once('[') {
+            Some((name, _)) => (name, true),
+            None => (part, false),
+        };
+        let name = if name.starts_with(['<', '{']) {
+            "t"
+        } else {
+            name
+        };
+        if !at.is_mapping() {
+            *at = Value::Mapping(Mapping::new());
+        }
+        let map = at.as_mapping_mut().expect("made a mapping");
+        let mut entry = map
+            .remove(name)
+            .filter(|v| !v.is_null())
+            .unwrap_or(Value::Null);
+        if list && !matches!(&entry, Value::Sequence(s) if !s.is_empty()) {
+            entry = Value::Sequence(vec![Value::Mapping(Mapping::new())]);
+        }
+        map.insert(Value::String(name.to_owned()), entry);
+        at = map.get_mut(name).expect("inserted");
+        if let Value::Sequence(items) = at {
+            at = &mut items[0];
+        }
+    }
+    *at = Value::Null;
+    root
+}
+
+/// Every configuration key the documents name is one the server's configuration or a
+/// simulation spec reads: set (to null) in a shipped example, it is refused for its value or
+/// accepted, never as an unknown field.
+#[test]
+fn every_documented_config_key_is_read() {
+    use switchyard_config::Config;
+    use switchyard_simulator::SimulationSpec;
+    let parse = |rel: &str| -> serde_yaml::Value {
+        serde_yaml::from_str(&read(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+    };
+    let server = parse("config/examples/multi-tenant.yaml");
+    let spec = parse("config/examples/sim-jsonl.yaml");
+    let unknown = |e: String| e.contains("unknown field");
+    let mut docs = vec!["README.md".to_owned(), "ARCHITECTURE.md".to_owned()];
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples");
+    for entry in std::fs::read_dir(&examples).expect("config/examples") {
+        let name = entry.expect("an entry").file_name();
+        let name = name.to_string_lossy();
+        if name.ends_with(".yaml") {
+            docs.push(format!("config/examples/{name}"));
+        }
+    }
+    let mut checked = 0;
+    let mut wrong = Vec::new();
+    for doc in &docs {
+        for key in config_keys(&read(doc)) {
+            checked += 1;
+            let text = serde_yaml::to_string(&with_key(&server, &key)).expect("YAML");
+            let as_server = Config::from_yaml_str(&text, "probe").map_err(|e| e.to_string());
+            let text = serde_yaml::to_string(&with_key(&spec, &key)).expect("YAML");
+            let as_spec =
+                SimulationSpec::from_yaml_str(&text, Path::new("probe")).map_err(|e| e.to_string());
+            if as_server.is_err_and(unknown) && as_spec.is_err_and(unknown) {
+                wrong.push(format!("{doc}: `{key}`"));
+            }
+        }
+    }
+    assert!(
+        checked > 100,
+        "only {checked} keys found: the reader lost them"
+    );
+    assert!(
+        wrong.is_empty(),
+        "documents name configuration keys neither the server nor a simulation spec reads:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// The probe tells a misspelt key from a real one, in both kinds of file.
+#[test]
+fn the_key_probe_refuses_an_unknown_key() {
+    use switchyard_config::Config;
+    use switchyard_simulator::SimulationSpec;
+    let server: serde_yaml::Value =
+        serde_yaml::from_str(&read("config/examples/default.yaml")).expect("YAML");
+    let spec: serde_yaml::Value =
+        serde_yaml::from_str(&read("config/examples/sim-jsonl.yaml")).expect("YAML");
+    let server_err = |key: &str| {
+        let text = serde_yaml::to_string(&with_key(&server, key)).expect("YAML");
+        Config::from_yaml_str(&text, "probe")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let spec_err = |key: &str| {
+        let text = serde_yaml::to_string(&with_key(&spec, key)).expect("YAML");
+        SimulationSpec::from_yaml_str(&text, Path::new("probe"))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    for key in [
+        "server.max_body_byte",
+        "tiers.<name>.max_kv_fractions",
+        "lora.adapters[i].pined",
+        "server.tls.cert",
+    ] {
+        assert!(server_err(key).contains("unknown field"), "{key}");
+    }
+    for key in [
+        "server.max_body_bytes",
+        "tiers.<name>.max_kv_fraction",
+        "lora.adapters[i].pinned",
+        "server.tls.cert_file",
+    ] {
+        assert!(!server_err(key).contains("unknown field"), "{key}");
+    }
+    for key in [
+        "workload.start",
+        "hardware.peak_flop",
+        "scheduler.lora_memory.load",
+    ] {
+        assert!(spec_err(key).contains("unknown field"), "{key}");
+    }
+    for key in [
+        "workload.start_s",
+        "hardware.peak_flops",
+        "scheduler.lora_memory.load_ms",
+    ] {
+        assert!(!spec_err(key).contains("unknown field"), "{key}");
+    }
+    assert_eq!(
+        config_keys("`cache.block_size` and `tiers.<name>.weight`, not `sim-jsonl.yaml`"),
+        BTreeSet::from([
+            "cache.block_size".to_owned(),
+            "tiers.<name>.weight".to_owned()
+        ])
     );
 }
