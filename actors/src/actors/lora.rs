@@ -58,7 +58,9 @@
 //! read ([`LoraError::TenantShare`], a 429) when the ones the tenant's own requests use fill
 //! the share ([`share_fits`]: every one, for a tenant within its share). An adapter of the
 //! tenant's that only other tenants' requests use (each request holds an [`AdapterUser`] mark
-//! beside the weights) is not held against it: its charge moves to one of those tenants (one with room in its share before
+//! beside the weights, and so does each batch that carries them, until it is recycled: a
+//! request that ended during a step uses the adapter until that step is back) is not held
+//! against it: its charge moves to one of those tenants (one with room in its share before
 //! any of the tenant's own adapters is dropped; with nothing to drop, one beyond its share,
 //! whose own loads then make room), so no tenant keeps another out by keeping the other's
 //! adapters busy ([`share_step`]). So a tenant naming many adapters recycles its own slots
