@@ -254,6 +254,11 @@ pub struct PreparedStep {
     /// The requests scheduled for the first time in this step (their prefill and inference
     /// times run from this step's planning).
     pub first_scheduled: Vec<RequestId>,
+    /// The uses of the batch's adapters by its requests ([`SubmitOptions::adapter_user`]):
+    /// the batch holds their weights until it is recycled, a step after a request that ended
+    /// meanwhile let go of its own, so it holds their marks too, for the LoRA manager to see
+    /// whose requests those weights serve. Drop them once the batch is recycled.
+    pub adapter_users: Vec<crate::actors::AdapterUser>,
 }
 
 /// The KV copies of one plan in the backend's terms ([`StepPlan::kv_offloads`] and
@@ -344,8 +349,9 @@ struct LiveRequest {
     sampling: Arc<SamplingParams>,
     /// LoRA adapter weights.
     adapter: Option<Arc<LoraAdapter>>,
-    /// Its use of the adapter ([`SubmitOptions::adapter_user`]), held as long as the weights.
-    _adapter_user: Option<crate::actors::AdapterUser>,
+    /// Its use of the adapter ([`SubmitOptions::adapter_user`]), held as long as the weights
+    /// (and by each batch that holds them, [`PreparedStep::adapter_users`]).
+    adapter_user: Option<crate::actors::AdapterUser>,
     /// When it entered the queue, on the engine clock ([`SubmitOptions::queued`]).
     queued: Timestamp,
     /// Whether it has been scheduled at least once.
@@ -465,7 +471,7 @@ impl StepCore {
             prompt: submit.request.prompt.clone(),
             sampling: submit.sampling,
             adapter: submit.adapter,
-            _adapter_user: submit.adapter_user,
+            adapter_user: submit.adapter_user,
             queued: submit.queued.unwrap_or(submit.request.arrival),
             started: false,
             queue_times: submit.queue_times,
@@ -742,6 +748,7 @@ impl StepCore {
         let mut n = 0;
         let mut queue_times_us = Vec::new();
         let mut first_scheduled = Vec::new();
+        let mut adapter_users = Vec::new();
         for s in &plan.seqs {
             let Some(live) = self.live.get_mut(&s.id) else {
                 continue;
@@ -775,6 +782,7 @@ impl StepCore {
             entry.sample = s.samples;
             entry.num_drafts = s.draft_tokens.len();
             entry.adapter.clone_from(&live.adapter);
+            adapter_users.extend(live.adapter_user.clone());
             // Prompt tokens served from the prefix cache still count for the repetition
             // penalty: the backend's sampler hears of them on the first step.
             entry.cached_prompt = (first_step
@@ -842,6 +850,7 @@ impl StepCore {
             first_scheduled,
             plan,
             batch: Batch { seqs },
+            adapter_users,
             release,
             plan_us: t0.elapsed().as_micros() as u64,
         }))

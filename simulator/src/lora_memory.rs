@@ -11,18 +11,21 @@
 //! came between) and finds it in memory when its turn comes. The request holds the adapter
 //! from then until it ends. After each message (a load or not) the manager evicts: while more
 //! than `max_cpu_loras` adapters are in memory it drops the least recently used one that no
-//! request holds and that is not pinned; adapters in use or pinned stay, so while more of them
-//! than `max_cpu_loras` exist, more stay in memory, and the excess goes at the manager's next
-//! message (a request served from memory while it is over the limit sends it one, as the
-//! server's registry flags it). "Recently used" is the registry's clock: it ticks when a
-//! request takes an adapter from memory and when a load puts one there.
+//! request holds and that is not pinned; before a read into full memory it drops them down to
+//! one fewer, so that the adapter being read fits too (the server's `make_read_room`, which
+//! makes the tenant's room in its share first then); adapters in use or pinned stay, so while
+//! more of them than `max_cpu_loras` exist, more stay in memory, and the excess goes at the
+//! manager's next message (a request served from memory while it is over the limit sends it
+//! one, as the server's registry flags it). "Recently used" is the registry's clock: it ticks
+//! when a request takes an adapter from memory and when a load puts one there.
 //!
 //! A load is charged to the tenant of the request whose message started it, within the
 //! share of its tier (`tiers.<name>.max_cpu_loras_per_tenant`), as the server's manager
 //! charges it (`make_share_room`): when the adapters charged to the tenant fill its share and
 //! every one of them is in use, the request is refused before the read (the server's 429,
-//! outcome `tenant_busy`); else, once the adapter has been read, the tenant's least recently
-//! used adapter that no request holds is dropped (never another tenant's) to make room, and
+//! outcome `tenant_busy`); else, once the adapter has been read (before, when memory is full),
+//! the tenant's least recently used adapter that no request holds is dropped (never another
+//! tenant's) to make room, and
 //! should its adapters have all come into use during the read, the request is refused then
 //! (the adapter read and not kept). An adapter in memory serves every request, whoever it is
 //! charged to, and a request taking one from memory is charged nothing. Pinned adapters,
@@ -189,6 +192,9 @@ pub struct LoraMemory {
     /// The load in progress, if any.
     loading: Option<Load>,
     counters: MemoryCounters,
+    /// At each read's start, the adapters in memory and whether one could have been dropped.
+    #[cfg(test)]
+    read_starts: Vec<(usize, bool)>,
 }
 
 impl LoraMemory {
@@ -215,6 +221,8 @@ impl LoraMemory {
             queue: VecDeque::new(),
             loading: None,
             counters: MemoryCounters::default(),
+            #[cfg(test)]
+            read_starts: Vec::new(),
         }
     }
 
@@ -360,11 +368,20 @@ impl LoraMemory {
                     self.evict();
                     out.refused.push((at, req));
                 }
+                // Room made before the read when memory is full (the server's
+                // `make_read_room`); refused should the share have filled since the check.
+                Message::Resolve { req, charge, .. } if !self.make_read_room(charge) => {
+                    self.counters.share_refusals += 1;
+                    self.evict();
+                    out.refused.push((at, req));
+                }
                 Message::Resolve {
                     adapter,
                     req,
                     charge,
                 } => {
+                    #[cfg(test)]
+                    self.note_read_start();
                     self.loading = Some(Load {
                         end: at.saturating_add(self.config.load_us),
                         adapter,
@@ -506,11 +523,46 @@ impl LoraMemory {
         }
     }
 
+    /// Makes room for an adapter about to be read, as the server's `make_read_room` does, so
+    /// that the adapters in memory and the one being read are at most `max_cpu_loras`: once
+    /// memory is full, the tenant's share makes its room first (before the read, where it is
+    /// otherwise made once the adapter has been read), then the least recently used adapters
+    /// that no request holds go as [`Self::evict`] drops them; adapters in use and pinned
+    /// ones stay, and the read goes ahead all the same. `false`: the share could not make
+    /// room (the request is refused).
+    fn make_read_room(&mut self, charge: Charge) -> bool {
+        if self.resident.len() < self.config.max_cpu_loras {
+            return true;
+        }
+        if !self.make_share_room(charge) {
+            return false;
+        }
+        self.evict_to(self.config.max_cpu_loras.saturating_sub(1));
+        true
+    }
+
+    /// Records what memory holds as a read starts: the adapters in memory and whether one of
+    /// them could have been dropped.
+    #[cfg(test)]
+    fn note_read_start(&mut self) {
+        let droppable = self
+            .resident
+            .keys()
+            .any(|a| !self.in_use.contains_key(a) && !self.config.pinned.contains(a));
+        self.read_starts.push((self.resident.len(), droppable));
+    }
+
     /// Drops the least recently used adapters that no request holds and that are not pinned
     /// while more than `max_cpu_loras` are in memory, those of tenants charged beyond their
     /// share (the share of the tier each adapter was charged under) first.
     fn evict(&mut self) {
-        while self.resident.len() > self.config.max_cpu_loras {
+        self.evict_to(self.config.max_cpu_loras);
+    }
+
+    /// [`Self::evict`] down to `limit` adapters (`max_cpu_loras` or fewer); `over_limit` is
+    /// set against `max_cpu_loras`.
+    fn evict_to(&mut self, limit: usize) {
+        while self.resident.len() > limit {
             let beyond = |a: &u32| {
                 self.owner
                     .get(a)
@@ -918,6 +970,47 @@ mod tests {
         assert_eq!(m.owner[&1].tenant, m.tenants["a"]);
     }
 
+    /// Whether memory held at most `max` adapters, the one being read included, as each read
+    /// started, unless none could have been dropped (all in use or pinned).
+    fn bounded_while_read(m: &LoraMemory, max: usize) -> bool {
+        m.read_starts
+            .iter()
+            .all(|&(in_memory, droppable)| in_memory < max || !droppable)
+    }
+
+    /// Regression (as the server's): a read into full memory started beside the
+    /// `max_cpu_loras` adapters there, the least recently used one no request held dropped
+    /// only once the read ended, so memory held one more than its bound while it read. Room
+    /// is made before the read now: in the tenant's full share first (its own adapter goes,
+    /// not another tenant's older one), then the least recently used; loads asked for at once
+    /// each find room; memory full of adapters in use reads all the same.
+    #[test]
+    fn memory_holds_at_most_max_cpu_loras_adapters_while_one_is_read() {
+        let mut m = memory(2, &[]);
+        let (a, b) = (("a", Some(1)), ("b", Some(1)));
+        read_in_turn(&mut m, &[(10, b), (1, a)]);
+        m.release(10, "b");
+        m.release(1, "a");
+        // Memory full, a's share full of its unused 1: 1 goes before 2 is read.
+        assert!(!ask_as(&mut m, 2 * LOAD, 2, 2, a).0);
+        assert_eq!(m.resident(), vec![10]);
+        // Asked during that read: 10, unused, goes before 3 is read.
+        assert!(!ask_as(&mut m, 2 * LOAD, 3, 3, ("c", None)).0);
+        assert_eq!(run_to(&mut m, 4 * LOAD), vec![(3 * LOAD, 2), (4 * LOAD, 3)]);
+        assert_eq!(m.resident(), vec![2, 3]);
+        assert_eq!(
+            (m.counters().evictions, m.counters().share_evictions),
+            (2, 1)
+        );
+        // Full of adapters in use: 4 is read and served, memory over its bound meanwhile.
+        assert!(!ask_as(&mut m, 4 * LOAD, 4, 4, ("c", None)).0);
+        assert_eq!(run_to(&mut m, 5 * LOAD), vec![(5 * LOAD, 4)]);
+        assert_eq!(m.resident(), vec![2, 3, 4]);
+        assert!(bounded_while_read(&m, 2), "{:?}", m.read_starts);
+        assert_eq!(m.read_starts.len(), 5);
+        assert_eq!(m.read_starts.last(), Some(&(2, false)));
+    }
+
     /// An operation of the property test.
     #[derive(Clone, Debug)]
     enum Op {
@@ -937,9 +1030,10 @@ mod tests {
 
     proptest! {
         /// After every manager message, memory holds at most `max_cpu_loras` adapters or the
-        /// adapters held and pinned; pinned and held adapters are always in memory; no
-        /// tenant has more adapters charged to it than its share; every request is served
-        /// or refused once, refused only with a share.
+        /// adapters held and pinned, and as each read starts, at most `max_cpu_loras` with the
+        /// one being read, unless all are held or pinned; pinned and held adapters are always
+        /// in memory; no tenant has more adapters charged to it than its share; every request
+        /// is served or refused once, refused only with a share.
         #[test]
         fn memory_stays_within_its_bound(
             max in 0usize..5,
@@ -1049,6 +1143,7 @@ mod tests {
                 // the eviction a request asked for waits behind a load.
                 let evict_queued = m.queue.iter().any(|(_, msg)| *msg == Message::Evict);
                 prop_assert!(m.over_limit || evict_queued || m.resident.len() <= max);
+                prop_assert!(bounded_while_read(&m, max), "{:?}", m.read_starts);
                 prop_assert_eq!(
                     m.in_use.values().map(|&n| n as usize).sum::<usize>(),
                     holding.len()

@@ -36,11 +36,14 @@
 //! found again, or not, as its directory then says.
 //!
 //! Memory. At most `max_adapters` names are registered and at most `max_loaded` adapters are
-//! kept in memory, those in use included; beyond that, the least recently used adapter that no
-//! request holds is dropped and loaded again on its next request. Adapters in use are never
-//! dropped, nor are pinned ones (at most `max_loaded` are pinned), so while more than
-//! `max_loaded` are in use all of them stay (memory is then bounded
-//! by `max_adapters` adapters of at most `max_lora_rank`), and the excess is dropped once they
+//! kept in memory, those in use and the one being read included; beyond that, the least
+//! recently used adapter that no request holds is dropped and loaded again on its next request.
+//! The room for a read into full memory is made before the read
+//! ([`LoraManager::make_read_room`]), so memory never holds one more while the files are
+//! read. Adapters in use are never dropped, nor are pinned ones (at most `max_loaded` are
+//! pinned), so while more than `max_loaded` are in use all of them stay (memory is then
+//! bounded by `max_adapters` adapters of at most `max_lora_rank`), and the excess is dropped
+//! once they
 //! are released: by the manager's next load, or on the next request for an adapter in memory,
 //! which asks the manager to evict again. How many different adapters run in one step is the
 //! scheduler's limit (`max_loras`).
@@ -50,18 +53,20 @@
 //! bound what each of its tenants is charged (`tiers.<name>.max_cpu_loras_per_tenant`,
 //! [`LoraHandle::set_tenant_shares`]): a load for a tenant whose charged adapters fill its
 //! share drops the tenant's own least recently used one that no request holds once the new
-//! one has loaded (so a load that fails drops nothing; chosen and dropped under one write
-//! lock, as every eviction), and is refused before any read ([`LoraError::TenantShare`], a
-//! 429) when the ones the tenant's own requests use fill the share ([`share_fits`]: every one,
-//! for a tenant within its share). An adapter of the tenant's
-//! that only other tenants' requests use (each request holds an [`AdapterUser`] mark beside
-//! the weights) is not held against it: its charge moves to one of those tenants (one with room
-//! in its share before any of the tenant's own adapters is dropped; with nothing to drop, one
-//! beyond its share, whose own loads then make room), so no tenant keeps another out by keeping
-//! the other's adapters busy ([`share_step`]). So a tenant naming many
-//! adapters recycles its own slots once its share is full and displaces at most its share of
-//! the other tenants' adapters; an adapter in memory still serves every tenant, whoever it is
-//! charged to, until the tenant charged needs its slot.
+//! one has loaded (so a load that fails drops nothing; before the read when memory is full;
+//! chosen and dropped under one write lock, as every eviction), and is refused before any
+//! read ([`LoraError::TenantShare`], a 429) when the ones the tenant's own requests use fill
+//! the share ([`share_fits`]: every one, for a tenant within its share). An adapter of the
+//! tenant's that only other tenants' requests use (each request holds an [`AdapterUser`] mark
+//! beside the weights, and so does each batch that carries them, until it is recycled: a
+//! request that ended during a step uses the adapter until that step is back) is not held
+//! against it: its charge moves to one of those tenants (one with room in its share before
+//! any of the tenant's own adapters is dropped; with nothing to drop, one beyond its share,
+//! whose own loads then make room), so no tenant keeps another out by keeping the other's
+//! adapters busy ([`share_step`]). So a tenant naming many adapters recycles its own slots
+//! once its share is full and displaces at most its share of the other tenants' adapters; an
+//! adapter in memory still serves every tenant, whoever it is charged to, until the tenant
+//! charged needs its slot.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -340,6 +345,10 @@ struct SharedRegistry {
     over_limit: AtomicBool,
     /// Per tier, the most adapters each of its tenants may be charged for in memory.
     shares: RwLock<HashMap<String, usize>>,
+    /// At each read's start, the adapters in memory and whether one of them could have been
+    /// dropped (no request holds it and it is not pinned).
+    #[cfg(test)]
+    read_starts: Mutex<Vec<(usize, bool)>>,
 }
 
 /// The registered adapters and the weights of those in memory, as other threads see them:
@@ -397,6 +406,20 @@ impl LoraRegistry {
     /// The next value of the registry's clock.
     fn tick(&self) -> u64 {
         self.0.clock.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Records what memory holds as a read starts ([`SharedRegistry::read_starts`]).
+    #[cfg(test)]
+    fn note_read_start(&self) {
+        let state = self.0.state.read();
+        let droppable = state.resident.iter().any(|(name, r)| {
+            Arc::strong_count(&r.adapter) == 1
+                && !state.adapters.iter().any(|a| a.pinned && &a.name == name)
+        });
+        self.0
+            .read_starts
+            .lock()
+            .push((state.resident.len(), droppable));
     }
 
     /// Whether the manager should evict again (true once per time it was left over the limit).
@@ -525,6 +548,16 @@ enum Keep {
     Nobody,
     /// The caller, which gets them (a request resolving a name it found).
     Caller,
+}
+
+/// What an adapter is read for ([`LoraManager::make_read_room`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReadFor {
+    /// A new registration, which unregisters an adapter found in a directory once read when
+    /// the registry is full.
+    Registration,
+    /// A registered name's weights: a reload (for a request or a pin) or a replacement.
+    Weights,
 }
 
 /// What [`LoraManager::make_share_room`] does in a tenant's full share.
@@ -704,6 +737,8 @@ impl LoraManager {
     fn load(&mut self, path: &Path) -> Result<Arc<LoraAdapter>, LoraError> {
         let t0 = std::time::Instant::now();
         self.reads += 1;
+        #[cfg(test)]
+        self.registry.note_read_start();
         let adapter = LoraAdapter::load(path, &self.config.model, &self.config.limits)?;
         metrics::counter!(crate::metric_names::LORA_LOADS).increment(1);
         tracing::info!(
@@ -799,10 +834,11 @@ impl LoraManager {
         // A full share of adapters in use refuses before any read; room in it is made once
         // the adapter has loaded, so a load that fails drops none of the tenant's adapters.
         self.make_share_room(charge, ShareRoom::Check)?;
+        let unregisters = self.make_read_room(charge, ReadFor::Registration)?;
         let adapter = self.load(path)?;
         self.make_share_room(charge, ShareRoom::Make)?;
         // Room made once the adapter loaded, so a refused one unregisters nothing.
-        if let Err(LoraError::Busy(..)) = self.make_room(name) {
+        if let Err(LoraError::Busy(..)) = self.make_room(name, unregisters) {
             return Err(LoraError::Full(max));
         }
         let (base_model, base_model_differs) = self.base_model_of(name, path, &adapter);
@@ -962,8 +998,10 @@ impl LoraManager {
 
     /// Unregisters discovered adapters no request holds, least recently used first (those
     /// not in memory before any in memory), until one more registration fits; `Busy` when
-    /// none can go.
-    fn make_room(&mut self, name: &str) -> Result<(), LoraError> {
+    /// none can go. `first`, if it is still one that can go, goes first: the victim chosen
+    /// before the read when memory was full ([`Self::make_read_room`]), which dropped it from
+    /// memory, so that it is no longer told from those never in memory.
+    fn make_room(&mut self, name: &str, mut first: Option<String>) -> Result<(), LoraError> {
         let max = self.config.max_adapters;
         loop {
             // Chosen and unregistered under one write lock: requests clone an adapter's weights
@@ -974,7 +1012,10 @@ impl LoraManager {
                 if state.adapters.len() < max {
                     return Ok(());
                 }
-                let Some(victim) = Self::room_victim_in(&state) else {
+                let first = first
+                    .take()
+                    .filter(|f| Self::room_victims_in(&state).any(|(_, v)| v == f));
+                let Some(victim) = first.or_else(|| Self::room_victim_in(&state)) else {
                     return Err(LoraError::Busy(name.to_owned(), max));
                 };
                 let dropped = state.remove(&victim).flatten();
@@ -997,6 +1038,14 @@ impl LoraManager {
 
     /// [`Self::room_victim`] in a locked `state`.
     fn room_victim_in(state: &RegistryState) -> Option<String> {
+        Self::room_victims_in(state)
+            .min_by_key(|(used, _)| *used)
+            .map(|(_, name)| name.clone())
+    }
+
+    /// The discovered adapters [`Self::make_room`] may unregister (not pinned, and no request
+    /// holds them), each with when it was last used (0: not in memory).
+    fn room_victims_in(state: &RegistryState) -> impl Iterator<Item = (u64, &String)> {
         state
             .adapters
             .iter()
@@ -1008,8 +1057,6 @@ impl LoraManager {
                 }
                 Some(_) => None,
             })
-            .min_by_key(|(used, _)| *used)
-            .map(|(_, name)| name.clone())
     }
 
     /// Serves the adapter at `path` under `name` in place of the one registered under it, if
@@ -1036,6 +1083,8 @@ impl LoraManager {
             return self.register_pinned(name, path, pinned);
         };
         self.check_pin_room(name, pinned)?;
+        // The old weights count in memory while the new ones are read.
+        self.make_read_room(None, ReadFor::Weights)?;
         let adapter = self.load(path)?;
         let fingerprint = adapter.fingerprint();
         let id = if self.fingerprints.get(name) == Some(&fingerprint) {
@@ -1148,8 +1197,10 @@ impl LoraManager {
         // A pinned adapter is no tenant's (reloaded when pinned).
         let request = charge;
         let charge = charge.filter(|_| !info.pinned);
-        // As in `register_held`: refused before the read, room made after it.
+        // As in `register_held`: refused before the read, room made after it (before it
+        // when memory is full).
         self.make_share_room(charge, ShareRoom::Check)?;
+        self.make_read_room(charge, ReadFor::Weights)?;
         let adapter = match self.load(&info.path) {
             Ok(adapter) => adapter,
             Err(e) if info.discovered => {
@@ -1308,10 +1359,63 @@ impl LoraManager {
     /// tenant whose requests used the adapter, or a lowered share); flags the registry when
     /// adapters in use keep it over the limit.
     fn evict(&mut self) {
+        self.evict_to(self.config.max_loaded);
+    }
+
+    /// Makes room in memory for an adapter about to be read, so that the adapters in memory
+    /// and the one being read are at most `max_loaded` while it is read. Once memory is full,
+    /// what the load would otherwise drop once read goes first, before the read: the tenant's
+    /// room in its share ([`Self::make_share_room`]: charges moved, or its own least recently
+    /// used adapter that no request holds), the adapter found in a directory that a
+    /// registration unregisters from a full registry ([`Self::room_victim`]); then the least
+    /// recently used adapters that no request holds, as [`Self::evict`] drops them (a
+    /// replacement's old weights too: requests for the name are served them meanwhile unless
+    /// they are the least recently used). So a read that fails leaves its slot free, and an
+    /// adapter dropped for it is read again when a request names it. Adapters in use and
+    /// pinned ones are never dropped: with memory full of them the read goes ahead (its
+    /// request is served, as it always was) and memory holds more while they are in use.
+    /// The manager's one thread is the only one that reads adapters and puts them in memory,
+    /// so no other read takes the slot meanwhile: loads asked for at once are read one after
+    /// the other, each making its own room.
+    fn make_read_room(
+        &mut self,
+        charge: Option<&Charge>,
+        read: ReadFor,
+    ) -> Result<Option<String>, LoraError> {
+        let (registry, max) = (self.registry.clone(), self.config.max_loaded);
+        let full = || registry.0.state.read().resident.len() >= max;
+        if !full() {
+            return Ok(None);
+        }
+        self.make_share_room(charge, ShareRoom::Make)?;
+        let mut unregisters = None;
+        if full() && read == ReadFor::Registration {
+            let max_adapters = self.config.max_adapters;
+            let dropped = {
+                // Chosen and dropped under one write lock, as every eviction.
+                let mut state = self.registry.0.state.write();
+                unregisters = (state.adapters.len() >= max_adapters)
+                    .then(|| Self::room_victim_in(&state))
+                    .flatten();
+                unregisters
+                    .as_ref()
+                    .and_then(|victim| state.resident.remove(victim))
+            };
+            // The weights are freed outside the lock.
+            drop(dropped);
+        }
+        self.evict_to(self.config.max_loaded.saturating_sub(1));
+        Ok(unregisters)
+    }
+
+    /// [`Self::evict`] down to `limit` adapters in memory (`max_loaded` or fewer); the
+    /// registry is flagged against `max_loaded`.
+    fn evict_to(&mut self, limit: usize) {
         let max = self.config.max_loaded;
         let shared = &self.registry.0;
-        if shared.state.read().resident.len() <= max {
-            shared.over_limit.store(false, Ordering::Release);
+        let in_memory = shared.state.read().resident.len();
+        if in_memory <= limit {
+            shared.over_limit.store(in_memory > max, Ordering::Release);
             return;
         }
         let shares = shared.shares.read().clone();
@@ -1323,7 +1427,7 @@ impl LoraManager {
             .filter(|a| a.pinned)
             .map(|a| a.name.clone())
             .collect();
-        while state.resident.len() > max {
+        while state.resident.len() > limit {
             // Only the registry holds an unused adapter's weights; readers clone them only
             // under the read lock, so none can start using a victim while this lock is held.
             let mut charged: HashMap<&str, usize> = HashMap::new();

@@ -340,9 +340,13 @@ fn a_failed_reload_names_the_adapter_but_not_its_files() {
     assert!(matches!(&e, LoraError::Reload(n) if n == "a"), "{e:?}");
     let message = e.to_string();
     assert_eq!(message, "LoRA adapter 'a' could not be loaded");
-    // Still registered; the adapter in memory is untouched.
+    // Still registered. b made room for the read (memory keeps one adapter, the one being
+    // read included): the slot stays free, and b is read again on its next request.
     assert!(m.registry.contains("a"));
-    assert_eq!(m.loaded(), ["b"]);
+    assert!(m.loaded().is_empty());
+    let reads = m.reads;
+    m.resolve("b").expect("b");
+    assert_eq!((m.loaded(), m.reads), (vec!["b".to_string()], reads + 1));
 }
 
 /// A manager that looks for adapters in `dirs`.
@@ -957,6 +961,116 @@ async fn adapters_released_over_the_limit_are_evicted_on_the_next_request() {
     lora.addr.send(Hold(hold)).await.unwrap();
     let state = lora.registry.0.state.read();
     assert_eq!(state.resident.keys().collect::<Vec<_>>(), ["b"]);
+}
+
+/// What memory held as each read started since the last call: the adapters in memory (the
+/// one being read aside) and whether one of them could have been dropped.
+fn read_starts(registry: &LoraRegistry) -> Vec<(usize, bool)> {
+    std::mem::take(&mut *registry.0.read_starts.lock())
+}
+
+/// Whether memory held at most `max` adapters, the one being read included, as each read
+/// started, unless none could have been dropped (all in use or pinned).
+fn bounded_while_read(starts: &[(usize, bool)], max: usize) -> bool {
+    starts
+        .iter()
+        .all(|&(in_memory, droppable)| in_memory < max || !droppable)
+}
+
+/// Regression: an adapter read into full memory (a registration, a reload, a found adapter,
+/// a replacement) was read beside the `max_cpu_loras` adapters in memory, and the least
+/// recently used one that no request held was dropped only once the read ended: memory held
+/// one adapter more than its bound for as long as each read took. Room is made before the
+/// read now; a read that fails leaves its slot free, and the adapter dropped for it is read
+/// again when a request names it; memory full of adapters in use still serves the read.
+#[test]
+fn memory_holds_at_most_max_cpu_loras_adapters_while_one_is_read() {
+    let root = AdapterCopy::holding("read-room", &["d1", "bad"]);
+    std::fs::write(
+        root.0.join("bad/adapter_model.safetensors"),
+        b"not safetensors",
+    )
+    .unwrap();
+    let mut m = finder(8, 2, &[&root.0]);
+    m.register("a", &fixture()).expect("a");
+    m.register("b", &fixture()).expect("b");
+    assert_eq!(read_starts(&m.registry), [(0, false), (1, true)]);
+    // Full of unused adapters: each read finds one slot free (a registration, a reload, a
+    // found adapter, a replacement: the old weights count while the new ones are read).
+    m.register("c", &fixture()).expect("c");
+    m.resolve("a").expect("a, read again");
+    found(&mut m, "d1").expect("d1");
+    m.replace("d1", &fixture()).expect("d1 replaced");
+    m.resolve("a").expect("a, read again");
+    let starts = read_starts(&m.registry);
+    assert!(bounded_while_read(&starts, 2), "{starts:?}");
+    assert_eq!(starts.len(), 5);
+    assert_eq!(m.loaded(), ["a", "d1"]);
+    // A read that fails gives its slot back: one adapter in memory, and the one dropped for
+    // the read (d1, the least recently used) is read again for its next request.
+    let e = m.resolve("bad").expect_err("broken files");
+    assert!(matches!(e, LoraError::Reload(_)), "{e:?}");
+    assert_eq!(m.loaded(), ["a"]);
+    let reads = m.reads;
+    m.resolve("d1").expect("d1");
+    assert_eq!(m.reads, reads + 1);
+    assert_eq!(m.loaded(), ["a", "d1"]);
+    // Memory full of adapters in use: the read goes ahead and the request is served, memory
+    // over its bound while they are in use, as before.
+    let held = (m.resolve("a").expect("a"), m.resolve("d1").expect("d1"));
+    let (_, b) = m
+        .resolve("b")
+        .expect("b, read with memory full of adapters in use");
+    assert_eq!(m.loaded(), ["a", "b", "d1"]);
+    let starts = read_starts(&m.registry);
+    assert!(bounded_while_read(&starts, 2), "{starts:?}");
+    assert_eq!(starts.last(), Some(&(2, false)));
+    drop((held, b));
+}
+
+/// Two requests for adapters out of memory at once, with one slot free: their reads, one
+/// after the other on the manager's thread, each find room (the second drops the least
+/// recently used adapter no request holds before it starts), never both in the last slot.
+#[actix::test]
+async fn two_reads_at_once_never_share_the_last_free_slot() {
+    let lora = LoraHandle::start(config(8, 3));
+    let register = |name: &str| Register {
+        name: name.into(),
+        path: fixture(),
+        pinned: false,
+    };
+    for name in ["a", "b", "c", "d", "e"] {
+        lora.ask(register(name)).await.expect(name);
+    }
+    lora.ask(Unregister("e".into())).await.expect("e");
+    let in_memory = || {
+        let mut names: Vec<String> = lora
+            .registry
+            .0
+            .state
+            .read()
+            .resident
+            .keys()
+            .cloned()
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(in_memory(), ["c", "d"], "one slot free");
+    read_starts(&lora.registry);
+    // The manager's thread is taken while both requests ask for an adapter out of memory.
+    let (release, hold) = std::sync::mpsc::channel();
+    lora.addr.do_send(Hold(hold));
+    let mut a = std::pin::pin!(lora.resolve("a", None));
+    let mut b = std::pin::pin!(lora.resolve("b", None));
+    assert!(poll_once(a.as_mut()).is_none() && poll_once(b.as_mut()).is_none());
+    release.send(()).unwrap();
+    let (a, b) = (a.await.expect("a"), b.await.expect("b"));
+    let starts = read_starts(&lora.registry);
+    assert_eq!(starts.len(), 2);
+    assert!(bounded_while_read(&starts, 3), "{starts:?}");
+    assert_eq!(in_memory().len(), 3);
+    drop((a, b));
 }
 
 /// The tenant charged for each adapter in memory, by name (`None`: no tenant's).

@@ -370,6 +370,9 @@ impl SchedulerActor {
         let wants_order = self.core.take_preemption_wanted();
         self.ahead_ok = self.core.launch(&prepared.plan) && !wants_order;
         let plan = prepared.plan;
+        // The batch's adapters serve their requests' tenants until it comes back, requests
+        // that end meanwhile included.
+        let adapter_users = prepared.adapter_users;
         let fut = self.executor.send(SubmitStep {
             batch: prepared.batch,
             release: prepared.release,
@@ -381,6 +384,7 @@ impl SchedulerActor {
                 Err(e) => return act.fail_step(plan, &e, ctx),
             };
             act.core.recycle(submitted.batch);
+            drop(adapter_users);
             metrics::gauge!(names::ENGINE_BATCH_SIZE).set(plan.seqs.len() as f64);
             match act.in_flight.replace(plan) {
                 // The step before this one ran while this one was planned: apply it now.
@@ -456,6 +460,7 @@ impl SchedulerActor {
         record_plan(&prepared);
         self.note_scheduled(&mut prepared, step_start);
         let plan = prepared.plan;
+        let adapter_users = prepared.adapter_users;
         let fut = self.executor.send(Execute {
             batch: prepared.batch,
             release: prepared.release,
@@ -471,6 +476,7 @@ impl SchedulerActor {
             let now = act.now();
             let events = act.core.complete(&plan, executed.outputs, now);
             act.core.recycle(executed.batch);
+            drop(adapter_users);
             act.publish_stats();
             act.detokenizer.do_send(StepEvents::new(events));
             // The engine's own cost of this step: planning, the allocator and executor round
@@ -756,6 +762,132 @@ mod tests {
             assert_eq!(fed.get(&id), Some(&15), "request {id}: {fed:?}");
         }
         assert!(*ahead.lock().unwrap() > 0, "no step was submitted ahead");
+    }
+
+    /// `CountingBackend` taking steps one ahead, each submit waiting for the test's go-ahead
+    /// (`go`) after saying it started (`started`).
+    struct GatedPipelined {
+        inner: CountingBackend,
+        submitted: std::collections::VecDeque<Vec<SeqOutput>>,
+        started: std::sync::mpsc::Sender<()>,
+        go: Arc<Mutex<std::sync::mpsc::Receiver<()>>>,
+    }
+
+    impl Backend for GatedPipelined {
+        fn name(&self) -> &str {
+            "gated-pipelined"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            self.inner.num_kv_blocks()
+        }
+        fn block_size(&self) -> usize {
+            self.inner.block_size()
+        }
+        fn max_batch_tokens(&self) -> usize {
+            self.inner.max_batch_tokens()
+        }
+        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            self.inner.execute(batch)
+        }
+        fn release(&mut self, _: u64) {}
+        fn pipelines(&self) -> bool {
+            true
+        }
+        fn overlaps_host(&self) -> bool {
+            true
+        }
+        fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
+            let _ = self.started.send(());
+            let _ = self.go.lock().unwrap().recv();
+            let out = self.inner.execute(batch)?;
+            self.submitted.push_back(out);
+            Ok(())
+        }
+        fn collect(&mut self) -> Result<Vec<SeqOutput>, GpuError> {
+            Ok(self.submitted.pop_front().expect("a submitted step"))
+        }
+    }
+
+    /// Regression: a request that ended (its client gone) while its step was with the
+    /// executor let go of its mark as its adapter's user, while the batch still held the
+    /// adapter's weights until it came back: for that step the adapter was in use by no
+    /// tenant, so the tenant charged for it, whose own requests used nothing, was refused
+    /// (429, "all are in use by your requests") rather than its charge moving to the tenant
+    /// whose request the batch ran. The batch holds its requests' marks as long as their
+    /// weights.
+    #[actix::test]
+    async fn a_batch_in_flight_holds_its_adapter_for_the_tenant_of_the_request_that_ended() {
+        use crate::actors::lora::{Charge, LoraManager, LoraManagerConfig, LoraRegistry};
+        // Adapters x and y, found in a directory; shares of one adapter per tenant.
+        let fixture = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../gpu/tests/fixtures/lora/smollm2-r4");
+        let dir = std::env::temp_dir().join(format!("sy-sched-lora-{}", std::process::id()));
+        for name in ["x", "y"] {
+            std::fs::create_dir_all(dir.join(name)).unwrap();
+            for f in ["adapter_config.json", "adapter_model.safetensors"] {
+                std::fs::copy(fixture.join(f), dir.join(name).join(f)).unwrap();
+            }
+        }
+        let config = LoraManagerConfig {
+            model: switchyard_gpu::model::LlamaConfig::smollm2_135m(),
+            base_name: "base".into(),
+            limits: switchyard_gpu::LoraLimits::default(),
+            max_adapters: 8,
+            max_loaded: 8,
+            adapter_dirs: vec![dir.clone()],
+            model_names: Vec::new(),
+            tenant_shares: vec![("gold".into(), 1)],
+        };
+        let mut lora = LoraManager::new(config, LoraRegistry::default());
+        let gold = |tenant: &str| Charge {
+            tenant: tenant.into(),
+            tier: "gold".into(),
+        };
+        let (acme, bob) = (gold("acme"), gold("bob"));
+        // acme reads x (charged to it) and lets go; bob's request takes x from memory.
+        drop(lora.resolve_for("x", Some(&acme)).expect("x"));
+        let bob_x = lora.resolve_for("x", Some(&bob)).expect("x for bob");
+        let mut req = request(1).with_adapter(bob_x.id, bob_x.adapter.clone());
+        req.adapter_user = bob_x.user.clone();
+        drop(bob_x);
+        let fed = Arc::new(Mutex::new(HashMap::new()));
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (go, go_rx) = std::sync::mpsc::channel();
+        let go_rx = Arc::new(Mutex::new(go_rx));
+        let backend = fed.clone();
+        let scheduler = start_scheduler(
+            move || {
+                Box::new(GatedPipelined {
+                    inner: CountingBackend(backend.clone()),
+                    submitted: Default::default(),
+                    started: started_tx.clone(),
+                    go: go_rx.clone(),
+                })
+            },
+            16,
+            true,
+        );
+        scheduler.do_send(Submit(vec![req]));
+        // Its first step is with the executor when the client hangs up.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while started.try_recv().is_err() {
+            assert!(std::time::Instant::now() < deadline, "no step submitted");
+            actix::clock::sleep(Duration::from_millis(1)).await;
+        }
+        scheduler
+            .send(Finish(vec![(RequestId(1), FinishReason::Abort)]))
+            .await
+            .unwrap();
+        // x serves bob's request in that batch: acme's own requests use nothing, so its load
+        // of y is served, x's charge moving to bob.
+        let y = lora.resolve_for("y", Some(&acme));
+        for _ in 0..16 {
+            let _ = go.send(());
+        }
+        wait_until_idle(&scheduler, &fed, 1).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        let e = y.err();
+        assert!(e.is_none(), "acme refused: {e:?}");
     }
 
     /// A scheduler actor with FCFS over a 64-block pool of 4-token blocks, its executor
