@@ -1128,7 +1128,11 @@ impl<'a> Counted<'a> {
         let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
         Self {
             failed: samples.len() - ok.len(),
-            input: ok.iter().map(|s| s.prompt_tokens).sum(),
+            // Counts from the server's usage: a wrong one saturates rather than wraps.
+            input: ok
+                .iter()
+                .map(|s| s.prompt_tokens)
+                .fold(0, usize::saturating_add),
             ok,
         }
     }
@@ -1369,8 +1373,14 @@ impl Figures {
         Figures {
             duration: duration.max(1e-9),
             completed: ok.len(),
-            input: ok.iter().map(|s| s.prompt_tokens).sum(),
-            output: ok.iter().map(|s| s.output_tokens).sum(),
+            input: ok
+                .iter()
+                .map(|s| s.prompt_tokens)
+                .fold(0, usize::saturating_add),
+            output: ok
+                .iter()
+                .map(|s| s.output_tokens)
+                .fold(0, usize::saturating_add),
             good: goodput.map(|g| ok.iter().filter(|s| g.met(s)).count()),
             ttft: stats(ok.iter().map(|s| s.ttft).collect()),
             tpot: stats(ok.iter().filter_map(|s| tpot(s)).collect()),
@@ -1438,7 +1448,7 @@ impl Figures {
         println!(
             "{:<40}{:.2}",
             "Total Token throughput (tok/s):",
-            self.rate(self.input + self.output)
+            self.rate(self.input.saturating_add(self.output))
         );
         let queue = self.queue_shown();
         for (title, name, s) in [
@@ -1463,7 +1473,7 @@ impl Figures {
         result["request_throughput"] = json!(self.rate(self.completed));
         result["request_goodput"] = json!(self.good.map(|g| self.rate(g)));
         result["output_throughput"] = json!(self.rate(self.output));
-        result["total_token_throughput"] = json!(self.rate(self.input + self.output));
+        result["total_token_throughput"] = json!(self.rate(self.input.saturating_add(self.output)));
         result["max_output_tokens_per_s"] = json!(self.peak_output);
         result["max_concurrent_requests"] = json!(self.peak_concurrency);
         for (name, s) in [
@@ -1681,6 +1691,27 @@ mod tests {
         let none = Figures::of(&[], 0.0, None, QueueFigures::default());
         assert_eq!((none.peak_output, none.peak_concurrency), (0.0, 0));
         assert_eq!(none.rate(0), 0.0);
+    }
+
+    /// Regression: the token totals summed the server's `usage` counts (which saturate at
+    /// `usize::MAX` when read) with wrapping additions, so a server reporting absurd counts
+    /// gave small totals and throughputs (or, with overflow checks, a panic): they saturate,
+    /// as the cached tokens' total does.
+    #[test]
+    fn token_totals_saturate_on_a_servers_absurd_usage() {
+        let base = Instant::now();
+        let samples = [
+            timed(base, 0, 0.010, &[0.010], 0.020, (usize::MAX, usize::MAX)),
+            timed(base, 0, 0.010, &[0.010], 0.020, (2, 3)),
+        ];
+        let counted = Counted::of(&samples);
+        assert_eq!(counted.input, usize::MAX);
+        let f = Figures::of(&counted.ok, 1.0, None, QueueFigures::default());
+        assert_eq!((f.input, f.output), (usize::MAX, usize::MAX));
+        let mut result = json!({});
+        f.add_to(&mut result);
+        assert_eq!(result["total_token_throughput"], json!(usize::MAX as f64));
+        assert_eq!(result["output_throughput"], json!(usize::MAX as f64));
     }
 
     #[test]
