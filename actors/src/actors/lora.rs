@@ -834,7 +834,7 @@ impl LoraManager {
         // A full share of adapters in use refuses before any read; room in it is made once
         // the adapter has loaded, so a load that fails drops none of the tenant's adapters.
         self.make_share_room(charge, ShareRoom::Check)?;
-        let unregisters = self.make_read_room(charge, ReadFor::Registration)?;
+        let unregisters = self.make_read_room(charge, ReadFor::Registration, None)?;
         let adapter = self.load(path)?;
         self.make_share_room(charge, ShareRoom::Make)?;
         // Room made once the adapter loaded, so a refused one unregisters nothing.
@@ -1083,8 +1083,9 @@ impl LoraManager {
             return self.register_pinned(name, path, pinned);
         };
         self.check_pin_room(name, pinned)?;
-        // The old weights count in memory while the new ones are read.
-        self.make_read_room(None, ReadFor::Weights)?;
+        // The old weights count in memory while the new ones are read, and stay served if
+        // the new ones fail to read.
+        self.make_read_room(None, ReadFor::Weights, Some(name))?;
         let adapter = self.load(path)?;
         let fingerprint = adapter.fingerprint();
         let id = if self.fingerprints.get(name) == Some(&fingerprint) {
@@ -1200,7 +1201,7 @@ impl LoraManager {
         // As in `register_held`: refused before the read, room made after it (before it
         // when memory is full).
         self.make_share_room(charge, ShareRoom::Check)?;
-        self.make_read_room(charge, ReadFor::Weights)?;
+        self.make_read_room(charge, ReadFor::Weights, None)?;
         let adapter = match self.load(&info.path) {
             Ok(adapter) => adapter,
             Err(e) if info.discovered => {
@@ -1359,7 +1360,7 @@ impl LoraManager {
     /// tenant whose requests used the adapter, or a lowered share); flags the registry when
     /// adapters in use keep it over the limit.
     fn evict(&mut self) {
-        self.evict_to(self.config.max_loaded);
+        self.evict_to(self.config.max_loaded, None);
     }
 
     /// Makes room in memory for an adapter about to be read, so that the adapters in memory
@@ -1368,10 +1369,11 @@ impl LoraManager {
     /// room in its share ([`Self::make_share_room`]: charges moved, or its own least recently
     /// used adapter that no request holds), the adapter found in a directory that a
     /// registration unregisters from a full registry ([`Self::room_victim`]); then the least
-    /// recently used adapters that no request holds, as [`Self::evict`] drops them (a
-    /// replacement's old weights too: requests for the name are served them meanwhile unless
-    /// they are the least recently used). So a read that fails leaves its slot free, and an
-    /// adapter dropped for it is read again when a request names it. Adapters in use and
+    /// recently used adapters that no request holds, as [`Self::evict`] drops them, but for
+    /// `keep` (a replacement's old weights: requests for the name are served them while the
+    /// new ones are read, and a replacement that fails to read leaves them served, whatever
+    /// its directory now holds). So a read that fails leaves its slot free, and an adapter
+    /// dropped for it is read again when a request names it. Adapters in use and
     /// pinned ones are never dropped: with memory full of them the read goes ahead (its
     /// request is served, as it always was) and memory holds more while they are in use.
     /// The manager's one thread is the only one that reads adapters and puts them in memory,
@@ -1381,6 +1383,7 @@ impl LoraManager {
         &mut self,
         charge: Option<&Charge>,
         read: ReadFor,
+        keep: Option<&str>,
     ) -> Result<Option<String>, LoraError> {
         let (registry, max) = (self.registry.clone(), self.config.max_loaded);
         let full = || registry.0.state.read().resident.len() >= max;
@@ -1404,13 +1407,13 @@ impl LoraManager {
             // The weights are freed outside the lock.
             drop(dropped);
         }
-        self.evict_to(self.config.max_loaded.saturating_sub(1));
+        self.evict_to(self.config.max_loaded.saturating_sub(1), keep);
         Ok(unregisters)
     }
 
-    /// [`Self::evict`] down to `limit` adapters in memory (`max_loaded` or fewer); the
-    /// registry is flagged against `max_loaded`.
-    fn evict_to(&mut self, limit: usize) {
+    /// [`Self::evict`] down to `limit` adapters in memory (`max_loaded` or fewer), `keep`
+    /// never dropped; the registry is flagged against `max_loaded`.
+    fn evict_to(&mut self, limit: usize, keep: Option<&str>) {
         let max = self.config.max_loaded;
         let shared = &self.registry.0;
         let in_memory = shared.state.read().resident.len();
@@ -1446,7 +1449,11 @@ impl LoraManager {
             let victim = state
                 .resident
                 .iter()
-                .filter(|(name, r)| Arc::strong_count(&r.adapter) == 1 && !pinned.contains(name))
+                .filter(|(name, r)| {
+                    Arc::strong_count(&r.adapter) == 1
+                        && !pinned.contains(name)
+                        && keep != Some(name.as_str())
+                })
                 .min_by_key(|(_, r)| (!beyond(r), r.last_used.load(Ordering::Relaxed)))
                 .map(|(name, _)| name.clone());
             let Some(name) = victim else { break };

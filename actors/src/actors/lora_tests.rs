@@ -1028,6 +1028,28 @@ fn memory_holds_at_most_max_cpu_loras_adapters_while_one_is_read() {
     drop((held, b));
 }
 
+/// A replacement read into full memory keeps the old weights whoever is the least recently
+/// used: the room is made from other adapters, and one whose files do not load leaves the
+/// old weights served with no read again, even where the name's directory now holds broken
+/// files.
+#[test]
+fn a_failed_replacement_into_full_memory_leaves_the_old_weights_served() {
+    let root = AdapterCopy::holding("replace-full", &["x"]);
+    let dir = root.0.join("x");
+    let mut m = manager(8, 2);
+    m.register("x", &dir).expect("x");
+    m.register("y", &fixture()).expect("y");
+    m.resolve("y").expect("y");
+    // x is now the least recently used; its files are overwritten with broken ones.
+    std::fs::write(dir.join("adapter_model.safetensors"), b"not safetensors").unwrap();
+    let e = m.replace("x", &dir).expect_err("broken files");
+    assert!(matches!(e, LoraError::Load(_)), "{e:?}");
+    assert_eq!(m.loaded(), ["x"], "y made the room for the read");
+    let reads = m.reads;
+    m.resolve("x").expect("the old weights, still in memory");
+    assert_eq!(m.reads, reads);
+}
+
 /// Two requests for adapters out of memory at once, with one slot free: their reads, one
 /// after the other on the manager's thread, each find room (the second drops the least
 /// recently used adapter no request holds before it starts), never both in the last slot.
