@@ -41,7 +41,8 @@
 //!   batch prefills run before the first token rather than between its decodes); otherwise
 //!   half the tightest recent TTFT target, so that the step an arrival waits out and its own
 //!   first step share the target, but never less than the estimated first step of the
-//!   shortest recent targeted prompt (where half the target cannot hold that step, the target
+//!   shortest recent targeted prompt (from its admission on, what its prefix-cache hit left
+//!   to compute; where half the target cannot hold that step, the target
 //!   is missed whatever the bound, and shorter steps only multiply the fixed cost per step for
 //!   the batch work). Both times `pace_fraction`, and never below the whole
 //!   remaining prompts of the targeted requests still waiting for their first token (a
@@ -111,7 +112,8 @@ struct Reserve {
     mean_idle_us: Option<f64>,
     /// Tightest TTFT target (ms) of the targeted requests since the reserve last lapsed.
     ttft_ms: f64,
-    /// Shortest prompt (tokens) of the targeted requests since the reserve last lapsed.
+    /// Shortest prompt (tokens; from a request's admission, those its prefix-cache hit left
+    /// to compute) of the targeted requests since the reserve last lapsed.
     prompt_tokens: usize,
 }
 
@@ -431,6 +433,14 @@ impl Policy for SloAware {
             PolicyEvent::Arrived(seq) => {
                 if let Some(ttft) = reserve_ttft_ms(seq) {
                     self.reserve_arrived(seq, ttft);
+                }
+            }
+            PolicyEvent::Admitted(seq) if reserve_ttft_ms(seq).is_some() => {
+                // Its prefix-cache hit is known now: the first step is what the prompt left
+                // to compute (a long cached system prompt or conversation makes it short).
+                let r = &mut self.reserve;
+                if r.live > 0 {
+                    r.prompt_tokens = r.prompt_tokens.min(seq.num_uncomputed_tokens());
                 }
             }
             PolicyEvent::Departed(seq) if reserve_ttft_ms(seq).is_some() => {
@@ -943,6 +953,22 @@ mod tests {
         let loose = with_slo(seq(4, 0, 20_000), Some(1_000.0), None);
         p.observe(PolicyEvent::Arrived(SeqView::new(&loose)));
         assert_eq!(p.token_budget(&idle(5_000)), 44_900);
+    }
+
+    /// The shortest recent targeted prompt counts what its admission left to compute: a
+    /// 20,000-token prompt of which the prefix cache holds 19,000 has a first step of 1,000
+    /// tokens (11 ms), within half the target, so half the target bounds the steps again.
+    #[test]
+    fn the_reserves_idle_bound_counts_a_targeted_prompts_cache_hit_at_its_admission() {
+        let none: Vec<Option<Sequence>> = Vec::new();
+        let idle = |now| ctx_at(&none, &[], &[], now, 65_536);
+        let mut p = policy();
+        let long = with_slo(seq(1, 0, 20_000), Some(100.0), None);
+        p.observe(PolicyEvent::Arrived(SeqView::new(&long)));
+        assert_eq!(p.token_budget(&idle(5_000)), 17_990);
+        let hit = prefilling(long, 19_000);
+        p.observe(PolicyEvent::Admitted(SeqView::new(&hit)));
+        assert_eq!(p.token_budget(&idle(20_000)), 4_400);
     }
 
     proptest::proptest! {
