@@ -1592,4 +1592,4 @@ impl Handler<Hold> for LoraManager {
 
 #[cfg(test)]
 #[path = "lora_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -25,7 +25,7 @@ fn manager(max_adapters: usize, max_loaded: usize) -> LoraManager {
 }
 
 /// A copy of the test adapter in a directory of its own, removed on drop.
-struct AdapterCopy(PathBuf);
+pub(crate) struct AdapterCopy(pub(crate) PathBuf);
 
 impl AdapterCopy {
     fn new(tag: &str) -> Self {
@@ -38,7 +38,7 @@ impl AdapterCopy {
     }
 
     /// A copy whose directory also holds copies of the test adapter named `names`.
-    fn holding(tag: &str, names: &[&str]) -> Self {
+    pub(crate) fn holding(tag: &str, names: &[&str]) -> Self {
         let root = Self::new(tag);
         for name in names {
             copy_into(&root.0, name);

@@ -819,22 +819,15 @@ mod tests {
     async fn a_batch_in_flight_holds_its_adapter_for_the_tenant_of_the_request_that_ended() {
         use crate::actors::lora::{Charge, LoraManager, LoraManagerConfig, LoraRegistry};
         // Adapters x and y, found in a directory; shares of one adapter per tenant.
-        let fixture = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../gpu/tests/fixtures/lora/smollm2-r4");
-        let dir = std::env::temp_dir().join(format!("sy-sched-lora-{}", std::process::id()));
-        for name in ["x", "y"] {
-            std::fs::create_dir_all(dir.join(name)).unwrap();
-            for f in ["adapter_config.json", "adapter_model.safetensors"] {
-                std::fs::copy(fixture.join(f), dir.join(name).join(f)).unwrap();
-            }
-        }
+        // Removed on drop, whatever the outcome.
+        let root = crate::actors::lora::tests::AdapterCopy::holding("sched", &["x", "y"]);
         let config = LoraManagerConfig {
             model: switchyard_gpu::model::LlamaConfig::smollm2_135m(),
             base_name: "base".into(),
             limits: switchyard_gpu::LoraLimits::default(),
             max_adapters: 8,
             max_loaded: 8,
-            adapter_dirs: vec![dir.clone()],
+            adapter_dirs: vec![root.0.clone()],
             model_names: Vec::new(),
             tenant_shares: vec![("gold".into(), 1)],
         };
@@ -885,7 +878,6 @@ mod tests {
             let _ = go.send(());
         }
         wait_until_idle(&scheduler, &fed, 1).await;
-        let _ = std::fs::remove_dir_all(&dir);
         let e = y.err();
         assert!(e.is_none(), "acme refused: {e:?}");
     }
