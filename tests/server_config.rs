@@ -609,22 +609,23 @@ fn request_metrics_carry_the_tier_and_count_slo_attainment() {
         ),
         Some(0.0)
     );
-    // A failure after queueing counts under the tier too: a grammar whose one sentence is 2^25
-    // bytes long makes llguidance give up while generating, past its item limit (a grammar
-    // with no finite sentence at all is refused before, as a 400).
+    // A failure after queueing counts under the tier too: a grammar whose sentences, after a
+    // free first letter, are 2^25 bytes long makes llguidance give up while generating, past
+    // its item limit, the request's own error (a grammar with no finite sentence at all, or
+    // whose forced output from its first token is past the limit, is refused before).
     let failed = "switchyard:request_failed_total";
-    let gold_structured = [
+    let gold_invalid = [
         "tier=\"gold\"",
         "tenant=\"a\"",
-        "reason=\"structured_output\"",
+        "reason=\"invalid_request\"",
     ];
-    assert_eq!(series(failed, &gold_structured), Some(0.0));
+    assert_eq!(series(failed, &gold_invalid), Some(0.0));
     let gold_a = ["tier=\"gold\"", "tenant=\"a\""];
     assert_eq!(
         series("switchyard:request_aborted_total", &gold_a),
         Some(0.0)
     );
-    let mut huge = String::from("start: s24\ns0: \"ab\"\n");
+    let mut huge = String::from("start: (\"a\" | \"b\") s24\ns0: \"ab\"\n");
     for i in 1..=24 {
         huge.push_str(&format!("s{i}: s{} s{}\n", i - 1, i - 1));
     }
@@ -643,8 +644,13 @@ fn request_metrics_carry_the_tier_and_count_slo_attainment() {
             &[("authorization", "Bearer gold-tier-key-0001")],
         )
         .expect("request");
-    assert_eq!(r.status, 500, "{}", r.body);
-    assert_eq!(series(failed, &gold_structured), Some(1.0));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.body.contains("exceeded the parser's limits"),
+        "{}",
+        r.body
+    );
+    assert_eq!(series(failed, &gold_invalid), Some(1.0));
     assert_eq!(series(failed, &["reason=\"structured_output\""]), Some(0.0));
 }
 
