@@ -678,11 +678,37 @@ mod tests {
     use crate::testing::{abc_tokenizer, CountingBackend, EMPTY_BATCHES};
 
     /// `CountingBackend` taking steps one ahead: pending tokens are token 1 (what it
-    /// samples); counts steps submitted while another was outstanding.
+    /// samples); counts steps submitted while another was outstanding. With a gate, each
+    /// submit waits for the test's go-ahead.
     struct PipelinedCounting {
+        /// Counts the tokens each sequence was fed.
         inner: CountingBackend,
+        /// The outputs of the steps submitted and not collected yet, oldest first.
         submitted: std::collections::VecDeque<Vec<SeqOutput>>,
+        /// How many steps were submitted while another was outstanding.
         ahead: Arc<Mutex<usize>>,
+        /// Held by each submit until the test lets it go on.
+        gate: Option<Gate>,
+    }
+
+    /// A submit says it started (`started`), then waits for the test's go-ahead (`go`).
+    struct Gate {
+        /// Told once per submit, before it waits.
+        started: std::sync::mpsc::Sender<()>,
+        /// One message lets one submit go on.
+        go: Arc<Mutex<std::sync::mpsc::Receiver<()>>>,
+    }
+
+    impl PipelinedCounting {
+        /// Counting into `fed`, ungated, its count of steps ahead its own.
+        fn new(fed: &Arc<Mutex<HashMap<u64, usize>>>) -> Self {
+            Self {
+                inner: CountingBackend(fed.clone()),
+                submitted: Default::default(),
+                ahead: Arc::new(Mutex::new(0)),
+                gate: None,
+            }
+        }
     }
 
     impl Backend for PipelinedCounting {
@@ -709,6 +735,10 @@ mod tests {
             true
         }
         fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
+            if let Some(gate) = &self.gate {
+                let _ = gate.started.send(());
+                let _ = gate.go.lock().unwrap().recv();
+            }
             assert!(self.submitted.len() <= 1, "more than one step ahead");
             *self.ahead.lock().unwrap() += self.submitted.len();
             for s in &batch.seqs {
@@ -733,9 +763,8 @@ mod tests {
         let scheduler = start_scheduler(
             move || {
                 Box::new(PipelinedCounting {
-                    inner: CountingBackend(backend.clone()),
-                    submitted: Default::default(),
                     ahead: count.clone(),
+                    ..PipelinedCounting::new(&backend)
                 })
             },
             16,
@@ -762,50 +791,6 @@ mod tests {
             assert_eq!(fed.get(&id), Some(&15), "request {id}: {fed:?}");
         }
         assert!(*ahead.lock().unwrap() > 0, "no step was submitted ahead");
-    }
-
-    /// `CountingBackend` taking steps one ahead, each submit waiting for the test's go-ahead
-    /// (`go`) after saying it started (`started`).
-    struct GatedPipelined {
-        inner: CountingBackend,
-        submitted: std::collections::VecDeque<Vec<SeqOutput>>,
-        started: std::sync::mpsc::Sender<()>,
-        go: Arc<Mutex<std::sync::mpsc::Receiver<()>>>,
-    }
-
-    impl Backend for GatedPipelined {
-        fn name(&self) -> &str {
-            "gated-pipelined"
-        }
-        fn num_kv_blocks(&self) -> usize {
-            self.inner.num_kv_blocks()
-        }
-        fn block_size(&self) -> usize {
-            self.inner.block_size()
-        }
-        fn max_batch_tokens(&self) -> usize {
-            self.inner.max_batch_tokens()
-        }
-        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
-            self.inner.execute(batch)
-        }
-        fn release(&mut self, _: u64) {}
-        fn pipelines(&self) -> bool {
-            true
-        }
-        fn overlaps_host(&self) -> bool {
-            true
-        }
-        fn submit(&mut self, batch: &Batch) -> Result<(), GpuError> {
-            let _ = self.started.send(());
-            let _ = self.go.lock().unwrap().recv();
-            let out = self.inner.execute(batch)?;
-            self.submitted.push_back(out);
-            Ok(())
-        }
-        fn collect(&mut self) -> Result<Vec<SeqOutput>, GpuError> {
-            Ok(self.submitted.pop_front().expect("a submitted step"))
-        }
     }
 
     /// Regression: a request that ended (its client gone) while its step was with the
@@ -850,11 +835,12 @@ mod tests {
         let backend = fed.clone();
         let scheduler = start_scheduler(
             move || {
-                Box::new(GatedPipelined {
-                    inner: CountingBackend(backend.clone()),
-                    submitted: Default::default(),
-                    started: started_tx.clone(),
-                    go: go_rx.clone(),
+                Box::new(PipelinedCounting {
+                    gate: Some(Gate {
+                        started: started_tx.clone(),
+                        go: go_rx.clone(),
+                    }),
+                    ..PipelinedCounting::new(&backend)
                 })
             },
             16,
@@ -1048,16 +1034,7 @@ mod tests {
         let fed = Arc::new(Mutex::new(HashMap::new()));
         let backend = fed.clone();
         let scheduler = start_scheduler(
-            move || {
-                Box::new(FailsFirstSubmit(
-                    PipelinedCounting {
-                        inner: CountingBackend(backend.clone()),
-                        submitted: Default::default(),
-                        ahead: Arc::new(Mutex::new(0)),
-                    },
-                    false,
-                ))
-            },
+            move || Box::new(FailsFirstSubmit(PipelinedCounting::new(&backend), false)),
             SchedulerConfig::default().max_num_batched_tokens,
             true,
         );
@@ -1123,11 +1100,7 @@ mod tests {
             let scheduler = start_scheduler(
                 move || {
                     Box::new(RecordsReleases(
-                        PipelinedCounting {
-                            inner: CountingBackend(backend.clone()),
-                            submitted: Default::default(),
-                            ahead: Arc::new(Mutex::new(0)),
-                        },
+                        PipelinedCounting::new(&backend),
                         record.clone(),
                     ))
                 },
@@ -1163,13 +1136,7 @@ mod tests {
             let fed = Arc::new(Mutex::new(HashMap::new()));
             let backend = fed.clone();
             let scheduler = start_scheduler(
-                move || {
-                    Box::new(PipelinedCounting {
-                        inner: CountingBackend(backend.clone()),
-                        submitted: Default::default(),
-                        ahead: Arc::new(Mutex::new(0)),
-                    })
-                },
+                move || Box::new(PipelinedCounting::new(&backend)),
                 16,
                 async_scheduling,
             );

@@ -923,36 +923,47 @@ mod tests {
         assert_eq!(p.token_budget(&idle(1_700_000)), 32_768);
     }
 
+    /// What `p` lets a step take at `now` with nothing running or waiting, out of 65,536
+    /// tokens.
+    fn idle_budget(p: &SloAware, now: u64) -> usize {
+        p.token_budget(&ctx_at(&[], &[], &[], now, 65_536))
+    }
+
+    /// A policy that saw a 20,000-token prompt with a 100 ms TTFT target arrive at 0, and
+    /// that prompt.
+    fn after_a_long_targeted_arrival() -> (SloAware, Sequence) {
+        let mut p = policy();
+        let long = with_slo(seq(1, 0, 20_000), Some(100.0), None);
+        p.observe(PolicyEvent::Arrived(SeqView::new(&long)));
+        (p, long)
+    }
+
     #[test]
     fn the_reserve_never_bounds_a_step_below_the_shortest_recent_targeted_prompts_own() {
-        let none: Vec<Option<Sequence>> = Vec::new();
-        let idle = |now| ctx_at(&none, &[], &[], now, 65_536);
-        let mut p = policy();
         // A 20,000-token prompt with a 100 ms TTFT target: its own first step, 1 ms + 200 ms,
         // outlasts half the target, so no bound meets the target; a step may last as long as
         // that step: (201 ms * 0.9 - 1 ms) / 10 us = 17,990 tokens, not 4,400.
-        let long = with_slo(seq(1, 0, 20_000), Some(100.0), None);
-        p.observe(PolicyEvent::Arrived(SeqView::new(&long)));
-        assert_eq!(p.token_budget(&idle(5_000)), 17_990);
+        let (mut p, long) = after_a_long_targeted_arrival();
+        assert_eq!(idle_budget(&p, 5_000), 17_990);
         // A 2,000-token prompt (21 ms, within half the target) arrives while it lasts: half the
         // target bounds the steps again.
         let short = with_slo(seq(2, 10_000, 2_000), Some(100.0), None);
         p.observe(PolicyEvent::Arrived(SeqView::new(&short)));
-        assert_eq!(p.token_budget(&idle(20_000)), 4_400);
+        assert_eq!(idle_budget(&p, 20_000), 4_400);
         // Both leave at 300 ms; the reserve lapses after the cap (10 s), and the next arrival's
         // prompt sizes it alone.
         depart(&mut p, &long, 300_000);
         depart(&mut p, &short, 300_000);
-        assert_eq!(p.token_budget(&idle(10_300_000)), 65_536);
+        assert_eq!(idle_budget(&p, 10_300_000), 65_536);
         let again = with_slo(seq(3, 20_000_000, 20_000), Some(100.0), None);
         p.observe(PolicyEvent::Arrived(SeqView::new(&again)));
-        assert_eq!(p.token_budget(&idle(20_000_000)), 17_990);
+        assert_eq!(idle_budget(&p, 20_000_000), 17_990);
         // Where half the target is the longer (1,000 ms: 500 ms against 201), it decides:
         // (500 ms * 0.9 - 1 ms) / 10 us = 44,900 tokens.
         let mut p = policy();
         let loose = with_slo(seq(4, 0, 20_000), Some(1_000.0), None);
         p.observe(PolicyEvent::Arrived(SeqView::new(&loose)));
-        assert_eq!(p.token_budget(&idle(5_000)), 44_900);
+        assert_eq!(idle_budget(&p, 5_000), 44_900);
     }
 
     /// The shortest recent targeted prompt counts what its admission left to compute: a
@@ -960,15 +971,11 @@ mod tests {
     /// tokens (11 ms), within half the target, so half the target bounds the steps again.
     #[test]
     fn the_reserves_idle_bound_counts_a_targeted_prompts_cache_hit_at_its_admission() {
-        let none: Vec<Option<Sequence>> = Vec::new();
-        let idle = |now| ctx_at(&none, &[], &[], now, 65_536);
-        let mut p = policy();
-        let long = with_slo(seq(1, 0, 20_000), Some(100.0), None);
-        p.observe(PolicyEvent::Arrived(SeqView::new(&long)));
-        assert_eq!(p.token_budget(&idle(5_000)), 17_990);
+        let (mut p, long) = after_a_long_targeted_arrival();
+        assert_eq!(idle_budget(&p, 5_000), 17_990);
         let hit = prefilling(long, 19_000);
         p.observe(PolicyEvent::Admitted(SeqView::new(&hit)));
-        assert_eq!(p.token_budget(&idle(20_000)), 4_400);
+        assert_eq!(idle_budget(&p, 20_000), 4_400);
     }
 
     proptest::proptest! {

@@ -8,15 +8,8 @@ import os
 import statistics
 import sys
 
-
-def pct(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    f = int(k)
-    c = min(f + 1, len(xs) - 1)
-    return xs[f] + (xs[c] - xs[f]) * (k - f)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _summary import pct, requests  # noqa: E402  (scripts/bench/_summary.py)
 
 
 out = sys.argv[1]
@@ -26,7 +19,7 @@ for summary in sorted(glob.glob(os.path.join(out, "*.json"))):
     group = name.split("-r")[0] if name.startswith("t") else name
     doc = json.load(open(summary))
     for p in doc["policies"]:
-        rows = [json.loads(l) for l in open(os.path.join(out, name, f"requests-{p['policy']}.jsonl"))]
+        rows = requests(os.path.join(out, name), p["policy"])
         premium = [r for r in rows if r["tier"] == "premium" and r.get("ttft_ms") is not None]
         g = groups.setdefault((group, p["policy"]), {"ttft": [], "met": 0, "both": 0, "n": 0, "batch": [], "all": []})
         g["ttft"] += [r["ttft_ms"] for r in premium]

@@ -14,15 +14,8 @@ import re
 import statistics
 import sys
 
-
-def pct(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    f = int(k)
-    c = min(f + 1, len(xs) - 1)
-    return xs[f] + (xs[c] - xs[f]) * (k - f)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _summary import pct, requests  # noqa: E402  (scripts/bench/_summary.py)
 
 
 def batch_tokens_by(rows, t_end):
@@ -43,7 +36,7 @@ def batch_tokens_by(rows, t_end):
 
 
 def metrics(run_dir, policy, duration, goodput):
-    rows = [json.loads(l) for l in open(os.path.join(run_dir, f"requests-{policy}.jsonl"))]
+    rows = requests(run_dir, policy)
     prem = [r for r in rows if r["tier"] == "premium"]
     batch = [r for r in rows if r["tier"] == "batch"]
     t_end = max(r["arrival_s"] for r in rows)
