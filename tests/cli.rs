@@ -468,6 +468,70 @@ fn threads_beyond_what_model_threads_takes_are_refused() {
     }
 }
 
+/// `bench throughput --dataset prompts` and `generate --json-schema` read their file to its
+/// bound: a size checked before reading says nothing of a device or a pipe, and both read
+/// `/dev/zero` until memory ran out (at 4 GiB of address space: "cannot read /dev/zero: out of
+/// memory") rather than refuse it.
+#[test]
+fn prompt_and_schema_files_are_read_only_to_their_bound() {
+    let model = common::model_path();
+    let runs: [&[&str]; 2] = [
+        &[
+            "bench",
+            "throughput",
+            "--backend",
+            "cpu",
+            "--threads",
+            "2",
+            "--dataset",
+            "prompts",
+            "--dataset-path",
+            "/dev/zero",
+            "--num-prompts",
+            "1",
+            "--output-len",
+            "1",
+        ],
+        &[
+            "generate",
+            "--backend",
+            "cpu",
+            "--threads",
+            "2",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+            "--json-schema",
+            "/dev/zero",
+        ],
+    ];
+    for args in runs {
+        let mut child = switchyard()
+            .args(args)
+            .arg("--model")
+            .arg(&model)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run switchyard");
+        let status = common::wait_exit(
+            &mut child,
+            std::time::Duration::from_secs(60),
+            &format!("switchyard {} on /dev/zero", args.join(" ")),
+        );
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err)
+            .expect("read stderr");
+        assert!(!status.success(), "{err}");
+        assert!(
+            err.contains("/dev/zero is larger than") && err.contains("bytes"),
+            "{}: {err}",
+            args.join(" ")
+        );
+    }
+}
+
 /// An empty range of random prompt ids is refused before anything is sent (it was taken as a
 /// range of one id without a word).
 #[test]

@@ -6,8 +6,10 @@
 //! `...lora_B.weight` (`out x r`). For a token `x` the projection gains `scale * B (A x)`, with
 //! `scale = lora_alpha / r` (`lora_alpha / sqrt(r)` with rsLoRA). The seven Llama projections
 //! (q, k, v, o, gate, up, down) can be adapted; anything else in the file (embedding or LM-head
-//! adapters, biases, DoRA magnitudes, `modules_to_save`) is refused, never ignored, since
-//! ignoring it would serve a different model than the one trained.
+//! adapters, biases, DoRA magnitudes, `modules_to_save`, another stack's layers such as a
+//! vision tower's `...encoder.layers.N`) is refused, never ignored, since ignoring it would
+//! serve a different model than the one trained. The decoder's layers are named
+//! `base_model.model.model.layers.N`, `base_model.model.layers.N` or `model.layers.N`.
 //! Of the projections' tensors, only those of the modules the configuration selects
 //! (`target_modules`, `layers_to_transform`, `exclude_modules`; `crate::lora_targets`) are
 //! applied, as PEFT builds only those modules and does not apply the file's other tensors.
@@ -103,8 +105,23 @@ impl LoraTarget {
         }
     }
 
-    fn from_module(m: &str) -> Option<LoraTarget> {
-        LoraTarget::ALL.into_iter().find(|t| t.module() == m)
+    /// The module's path in a decoder layer (`self_attn.q_proj`, `mlp.down_proj`).
+    fn path(self) -> &'static str {
+        match self {
+            LoraTarget::Q => "self_attn.q_proj",
+            LoraTarget::K => "self_attn.k_proj",
+            LoraTarget::V => "self_attn.v_proj",
+            LoraTarget::O => "self_attn.o_proj",
+            LoraTarget::Gate => "mlp.gate_proj",
+            LoraTarget::Up => "mlp.up_proj",
+            LoraTarget::Down => "mlp.down_proj",
+        }
+    }
+
+    /// The target at `path` in a decoder layer (`self_attn.q_proj`); a projection under the
+    /// other parent (`mlp.q_proj`) is none.
+    fn from_path(path: &str) -> Option<LoraTarget> {
+        LoraTarget::ALL.into_iter().find(|t| t.path() == path)
     }
 }
 
@@ -437,23 +454,40 @@ fn parse_config(path: &Path, text: &str, limits: &LoraLimits) -> Result<AdapterC
     })
 }
 
-/// Splits a PEFT tensor name into (layer, target, is_b); `None` if it is not a LoRA pair
-/// tensor of a decoder layer.
+/// Where the decoder layers of a Llama model sit in a PEFT adapter's tensor names: PEFT's
+/// `base_model.model.` before the model's own `model.layers.` (or before `layers.` for a bare
+/// decoder), or the model's names without PEFT's prefix. Anything else before `layers.` is
+/// another model's stack (a vision tower's `...encoder.layers.`), never this model's.
+const DECODER_LAYER_PREFIXES: [&str; 3] = [
+    "base_model.model.model.layers.",
+    "base_model.model.layers.",
+    "model.layers.",
+];
+
+/// Splits a PEFT tensor name into (layer, projection path such as `self_attn.q_proj`, is_b);
+/// `None` if it is not a LoRA pair tensor of a decoder layer of this model.
 fn parse_name(name: &str) -> Option<(usize, &str, bool)> {
-    let rest = &name[name.find("layers.")? + "layers.".len()..];
+    let rest = DECODER_LAYER_PREFIXES
+        .iter()
+        .find_map(|p| name.strip_prefix(p))?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let rest = rest
-        .strip_prefix("self_attn.")
-        .or_else(|| rest.strip_prefix("mlp."))?;
-    let (module, rest) = rest.split_once('.')?;
+    if !(rest.starts_with("self_attn.") || rest.starts_with("mlp.")) {
+        return None;
+    }
     // PEFT drops the adapter name when saving; accept `lora_A.default.weight` too.
-    let is_b = match rest {
-        "lora_A.weight" | "lora_A.default.weight" => false,
-        "lora_B.weight" | "lora_B.default.weight" => true,
-        _ => return None,
-    };
-    Some((layer, module, is_b))
+    [
+        ("lora_A.weight", false),
+        ("lora_A.default.weight", false),
+        ("lora_B.weight", true),
+        ("lora_B.default.weight", true),
+    ]
+    .into_iter()
+    .find_map(|(suffix, is_b)| {
+        let module = rest.strip_suffix(suffix)?.strip_suffix('.')?;
+        // Exactly `self_attn.<module>` or `mlp.<module>`: one segment after the parent.
+        (module.matches('.').count() == 1).then_some((layer, module, is_b))
+    })
 }
 
 /// A tensor's values as f32 (f32, f16 or bf16 little-endian).
@@ -584,7 +618,7 @@ impl LoraAdapter {
                     format!("tensor '{name}' is not a LoRA A/B matrix of a decoder projection (unsupported)"),
                 ));
             };
-            let target = LoraTarget::from_module(module).ok_or_else(|| {
+            let target = LoraTarget::from_path(module).ok_or_else(|| {
                 invalid(
                     path,
                     format!("tensor '{name}': module '{module}' is not a Llama projection"),
@@ -951,6 +985,29 @@ mod tests {
         }
     }
 
+    /// A tensor of another model's layers (a vision tower's), or a projection under the wrong
+    /// parent (`mlp.q_proj`), was applied to the decoder's projection of that name: refused.
+    #[test]
+    fn tensors_outside_the_decoder_projections_are_refused() {
+        let c = tiny(RopeStyle::Halves);
+        let cases = [
+            (
+                "base_model.model.model.layers.0",
+                "base_model.model.vision_tower.encoder.layers.0",
+                "is not a LoRA A/B matrix of a decoder projection",
+            ),
+            ("self_attn.q_proj", "mlp.q_proj", "module 'mlp.q_proj'"),
+        ];
+        for (from, to, needle) in cases {
+            let t: Tensors = valid(&c)
+                .into_iter()
+                .map(|(n, s, v)| (n.replacen(from, to, 1), s, v))
+                .collect();
+            let e = err(&c, CONFIG, &file(&t));
+            assert!(e.contains(needle), "{to}: {e}");
+        }
+    }
+
     #[test]
     fn a_valid_adapter_loads_with_its_scale() {
         let c = tiny(RopeStyle::Halves);
@@ -1214,11 +1271,26 @@ mod tests {
     fn names_parse() {
         assert_eq!(
             parse_name("base_model.model.model.layers.12.self_attn.q_proj.lora_A.weight"),
-            Some((12, "q_proj", false))
+            Some((12, "self_attn.q_proj", false))
         );
         assert_eq!(
             parse_name("base_model.model.model.layers.0.mlp.down_proj.lora_B.default.weight"),
-            Some((0, "down_proj", true))
+            Some((0, "mlp.down_proj", true))
+        );
+        assert_eq!(
+            parse_name("model.layers.3.mlp.up_proj.lora_B.weight"),
+            Some((3, "mlp.up_proj", true))
+        );
+        // Another stack's layers (a vision tower's) are not the decoder's.
+        assert_eq!(
+            parse_name(
+                "base_model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.weight"
+            ),
+            None
+        );
+        assert_eq!(
+            parse_name("base_model.model.model.layers.0.self_attn.q_proj.extra.lora_A.weight"),
+            None
         );
         assert_eq!(parse_name("base_model.model.lm_head.lora_A.weight"), None);
         assert_eq!(

@@ -64,16 +64,9 @@ fn prompt_dataset(
     struct Line {
         prompt: String,
     }
-    let len = std::fs::metadata(path)
-        .with_context(|| format!("cannot read {}", path.display()))?
-        .len();
-    anyhow::ensure!(
-        len <= MAX_PROMPTS_FILE,
-        "{} is larger than {MAX_PROMPTS_FILE} bytes",
-        path.display()
-    );
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    // Read to the bound, not to the end: a size checked first says nothing of a pipe, a
+    // device (`/dev/zero` never ends) or a file that grows meanwhile.
+    let text = read_bounded(path, MAX_PROMPTS_FILE)?;
     let mut out = Vec::new();
     for (n, line) in text.lines().enumerate() {
         if line.trim().is_empty() {

@@ -485,9 +485,8 @@ pub(super) fn read_bounded(path: &Path, max: u64) -> anyhow::Result<String> {
         .with_context(|| format!("reading {}", path.display()))?;
     anyhow::ensure!(
         text.len() as u64 <= max,
-        "{} is larger than {} MiB",
-        path.display(),
-        max >> 20
+        "{} is larger than {max} bytes",
+        path.display()
     );
     Ok(text)
 }

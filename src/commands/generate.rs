@@ -250,15 +250,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
 /// The structure `--json-schema`, `--regex` or `--choice` asks for (clap lets one through).
 fn structured_spec(args: &GenerateArgs) -> anyhow::Result<Option<StructuredOutput>> {
     if let Some(path) = &args.json_schema {
-        let meta =
-            std::fs::metadata(path).with_context(|| format!("--json-schema {}", path.display()))?;
-        anyhow::ensure!(
-            meta.len() <= MAX_SPEC_BYTES as u64,
-            "--json-schema: {} is larger than {MAX_SPEC_BYTES} bytes",
-            path.display()
-        );
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("--json-schema {}", path.display()))?;
+        // Read to the bound, not to the end (a pipe or a device has no size to check first).
+        let text = super::bench_serve::read_bounded(path, MAX_SPEC_BYTES as u64)
+            .context("--json-schema")?;
         let schema = serde_json::from_str(&text)
             .with_context(|| format!("--json-schema: {} is not JSON", path.display()))?;
         return Ok(Some(StructuredOutput::JsonSchema(schema)));

@@ -309,6 +309,21 @@ impl Tokenizer {
         } else {
             TokenEncoding::Metaspace
         };
+        // A post-processor's special tokens carry their own ids (`TemplateProcessing`'s `ids`,
+        // `BertProcessing`'s `cls` and `sep`), which need not be in the vocabulary: every
+        // prompt encoded with special tokens would hand the model an id past its embedding.
+        if let Some(post) = inner.get_post_processor() {
+            use tokenizers::PostProcessor;
+            let empty = tokenizers::Encoding::default();
+            let added = post
+                .process(empty, None, true)
+                .map_err(|e| tok_err(format!("post_processor: {e}")))?;
+            if let Some(bad) = added.get_ids().iter().find(|&&id| id as usize >= n) {
+                return Err(tok_err(format!(
+                    "post_processor adds token id {bad}, outside the vocabulary of {n} tokens"
+                )));
+            }
+        }
         let mut special = vec![false; n];
         for (id, tok) in inner.get_added_tokens_decoder() {
             if let Some(s) = special.get_mut(id as usize) {

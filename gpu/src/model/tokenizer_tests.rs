@@ -519,3 +519,40 @@ fn gpt_2_pre_tokenizer_name_is_accepted() {
     let tok = tiny_tok(&tiny("gpt-2")).unwrap();
     check(&tok, "ab ab12", &[6, 7, 8]);
 }
+
+/// A post-processor's special tokens carry their own ids, which need not be in the
+/// vocabulary (`TemplateProcessing`'s `ids`, `BertProcessing`'s `cls` and `sep`): such a
+/// tokenizer.json is refused at load, naming the id, rather than handing the model an id past
+/// its embedding with every prompt encoded with special tokens.
+#[test]
+fn post_processor_ids_outside_the_vocabulary_are_refused() {
+    let json = |post: &str| {
+        format!(
+            r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":null,"post_processor":{post},
+            "decoder":null,"model":{{"type":"BPE","vocab":{{"a":0,"b":1,"<s>":2}},"merges":[]}}}}"#
+        )
+    };
+    let template = |id: u64| {
+        format!(
+            r#"{{"type":"TemplateProcessing","single":[{{"SpecialToken":{{"id":"<s>","type_id":0}}}},
+            {{"Sequence":{{"id":"A","type_id":0}}}}],"pair":[{{"Sequence":{{"id":"A","type_id":0}}}}],
+            "special_tokens":{{"<s>":{{"id":"<s>","ids":[{id}],"tokens":["<s>"]}}}}}}"#
+        )
+    };
+    let ok = Tokenizer::from_json_bytes(json(&template(2)).as_bytes()).expect("in range");
+    assert_eq!(ok.encode("ab", true).unwrap(), vec![2, 0, 1]);
+    for post in [
+        template(4_000_000_000),
+        template(3),
+        r#"{"type":"BertProcessing","sep":["</s>",70000],"cls":["<s>",2]}"#.to_string(),
+    ] {
+        match Tokenizer::from_json_bytes(json(&post).as_bytes()) {
+            Ok(t) => panic!("accepted {post}: encodes to {:?}", t.encode("ab", true)),
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.contains("post_processor") && e.contains("outside"), "{e}");
+            }
+        }
+    }
+}
