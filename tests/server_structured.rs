@@ -503,6 +503,70 @@ fn a_grammar_past_the_parser_limits_is_the_requests_error() {
     assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
 }
 
+/// A right recursion that twenty rules make at once after a free first letter
+/// (`s: s0 | ... | s19`, `s0: "x" s0 | "x"`): each `x` deepens all twenty, and the parser's row
+/// of items grows with the output until it passes llguidance's 2,000 items a row, some
+/// hundred `x`s in (`min_tokens` keeps the model from ending sooner). A limit only the output
+/// reaches, found when a token is consumed: the request's error, as the other limits are.
+#[test]
+fn a_right_recursion_past_the_parsers_row_limit_is_the_requests_error() {
+    let s = server();
+    let mut grammar = String::from("start: (\"a\" | \"b\") s\ns: ");
+    grammar.push_str(
+        &(0..20)
+            .map(|i| format!("s{i}"))
+            .collect::<Vec<_>>()
+            .join(" | "),
+    );
+    grammar.push('\n');
+    for i in 0..20 {
+        grammar.push_str(&format!("s{i}: \"x\" s{i} | \"x\"\n"));
+    }
+    let failed_before = s.labelled_metric(
+        "switchyard:request_failed_total",
+        &["reason=\"invalid_request\""],
+    );
+    let body = json!({"prompt": "axxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx", "max_tokens": 600,
+                      "min_tokens": 600, "temperature": 0, "guided_grammar": grammar});
+    let check = |v: &Value| {
+        let e = &v["error"];
+        assert_eq!(e["type"], "invalid_request_error", "{v}");
+        assert_eq!(e["param"], "guided_grammar", "{v}");
+        let message = e["message"].as_str().unwrap_or("");
+        assert!(
+            message
+                .starts_with("structured output: the grammar exceeded the parser's limits after ")
+                && message.contains(" generated tokens (Parser Error: Current row has ")
+                && message.contains("; max is 2000; consider making your grammar left-recursive"),
+            "{v}"
+        );
+    };
+    let (status, v) = s.post_json("/v1/completions", &body);
+    assert_eq!(status, 400, "{v}");
+    check(&v);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = s
+        .request("POST", "/v1/completions", Some(&streamed.to_string()), &[])
+        .expect("a streamed response");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut events = sse_events(&r.body);
+    assert_eq!(events.pop().as_deref(), Some("[DONE]"), "{}", r.body);
+    check(&serde_json::from_str(&events.pop().expect("the error event")).expect("JSON"));
+    let failed = s.labelled_metric(
+        "switchyard:request_failed_total",
+        &["reason=\"invalid_request\""],
+    );
+    assert_eq!(failed - failed_before, 2.0);
+    assert_eq!(
+        s.labelled_metric(
+            "switchyard:request_failed_total",
+            &["reason=\"structured_output\""]
+        ),
+        0.0
+    );
+}
+
 #[test]
 fn an_end_token_ends_a_finished_grammar_before_min_tokens() {
     let s = server();

@@ -12,14 +12,22 @@
 //! (`start: a0`, `a0: a1 a1`, ... 24 times over: a finite but huge forced output), which
 //! llguidance reports only when that token is consumed: the compile consumes it on a copy.
 //!
-//! At run time a matcher that fails later (every sampled token comes from its own mask, but a
-//! forced stretch that follows a free choice can outgrow llguidance's limits as well) allows
-//! only the end ids from then on, so its sequence ends as a finished one would rather than
-//! sampling unconstrained; the detokenizer then reads [`Constraint::failure`] and ends the
-//! request with an error instead of the finish. A failure past llguidance's limits
-//! ([`exceeded_limits`]: its own error messages for them) is the request's grammar's doing, a
-//! 400 naming its field (an error event in a stream); any other failure (a token outside the
-//! mask: a backend's bug) is the server's, a 500.
+//! At run time a matcher that fails later allows only the end ids from then on, so its sequence
+//! ends as a finished one would rather than sampling unconstrained; the detokenizer then reads
+//! [`Constraint::failure`] and ends the request with an error instead of the finish. Every
+//! sampled token comes from its own mask, so what a grammar can fail on is one of llguidance's
+//! parser limits, which some grammars reach only once an output is under way: a forced stretch after a free
+//! choice outgrows a step's items (`start: ("a" | "b") a0`, the doubling above), a right
+//! recursion as deep as the output outgrows a row's items (`s: "x" s | "x"`, 2,000 items), a
+//! regex whose automaton is exponential (`/(a|b)*a(a|b){20}/`) can outgrow the lexer's states
+//! (250,000, counted over the whole output) or its fuel for one step. Such a failure
+//! ([`exceeded_limits`]) is the request's grammar's doing, a 400 naming its field (an error
+//! event in a stream). Any other failure is the server's, a 500: a token outside the mask (a
+//! backend's bug), a mask that allows nothing while generating, an error or a panic inside
+//! llguidance. What a grammar bounds itself (a rule's `max_tokens`, a `stop`) is no failure:
+//! llguidance ends that lexeme or sub-grammar there, and the output goes on.
+//! A stretch past the limits after a free choice is not looked for when the grammar compiles:
+//! see [`GrammarCompiler::compile`].
 //!
 //! Grammars compile on a [`CompilePool`] of their own ([`LazyGrammarCompiler::compile_then`]),
 //! never on the threads that encode prompts, and the work of one compile is bounded: by
@@ -32,7 +40,8 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use llguidance::api::{ParserLimits, TopLevelGrammar};
+use llguidance::api::{ParserLimits, StopReason, TopLevelGrammar};
+use llguidance::earley::ParserError;
 use llguidance::{Matcher, ParserFactory};
 use switchyard_gpu::model::Tokenizer;
 use switchyard_gpu::{Constraint, TokenConstraint};
@@ -380,32 +389,51 @@ impl StructuredOutput {
     }
 }
 
-/// The first lines of llguidance's (1.9) errors for its per-step parser limits
-/// ([`ParserLimits`]): the Earley items of one step (`step_max_items`: its mask, or the bytes
-/// it forces), of one row (`max_items_in_row`), the lexer's fuel for one step
-/// (`step_lexer_fuel`) and its states (`max_lexer_states`). The matcher keeps only the text of
-/// an error (its stop reason becomes `InternalError`, and its `ParserTooComplex` also covers a
-/// token the grammar does not allow), so the text is what tells them apart.
-const LIMIT_ERRORS: &[&str] = &[
-    "parser error: Too many items (limit ",
-    "Parser Error: Current row has ",
-    "lexer error: too many expressions constructed",
-    "lexer error: too many states: ",
-];
+/// How llguidance (1.9) words the one limit error it reports only as text: a row of the
+/// Earley parser that outgrows `max_items_in_row` (2,000: a right recursion as deep as the
+/// output so far, `s: "x" s | "x"`) when a token is consumed. Its token parser wraps every
+/// error of consuming a token's bytes as `Parser Error: ...` with the stop reason
+/// `ParserTooComplex`, a token the grammar does not allow (a backend's bug) included, so only
+/// the text tells this one apart.
+const ROW_LIMIT_ERROR: &str = "Parser Error: Current row has ";
+
+/// How llguidance's matcher begins the text of an error its parser reported as a
+/// [`ParserError`] that stands for one of its limits: the variants whose stop reason is
+/// `LexerTooComplex` (the lexer's fuel for one step, `step_lexer_fuel`, or its states,
+/// `max_lexer_states`, counted over the whole output: its automaton is built as the output
+/// explores it) or `ParserTooComplex` (the Earley items of one step, `step_max_items`: its
+/// mask, or the bytes it forces). The prefixes are llguidance's own
+/// ([`ParserError::message`]), not copies of its wording.
+fn limit_error_prefixes() -> impl Iterator<Item = String> {
+    [
+        ParserError::LexerError(String::new()),
+        ParserError::ParserError(String::new()),
+    ]
+    .into_iter()
+    .filter(|e| {
+        matches!(
+            e.stop_reason(),
+            StopReason::LexerTooComplex | StopReason::ParserTooComplex
+        )
+    })
+    .map(|e| e.message())
+}
 
 /// How a [`GrammarConstraint`]'s failure past llguidance's limits begins
 /// ([`exceeded_limits`]).
 const LIMITS_EXCEEDED: &str = "the grammar exceeded the parser's limits";
 
-/// Whether `e`, an error of llguidance's matcher, says that a step went past one of its
-/// per-step limits ([`LIMIT_ERRORS`]).
+/// Whether `e`, an error of llguidance's matcher, says that the grammar went past one of its
+/// parser limits: a [`ParserError`] of a limit ([`limit_error_prefixes`]), or a row past its
+/// items ([`ROW_LIMIT_ERROR`]). The matcher keeps only an error's text (its stop reason is
+/// then `InternalError`, whatever the parser's was), so the text is what is read.
 fn is_limit_error(e: &str) -> bool {
     let line = first_line(e);
-    LIMIT_ERRORS.iter().any(|p| line.starts_with(p))
+    line.starts_with(ROW_LIMIT_ERROR) || limit_error_prefixes().any(|p| line.starts_with(&p))
 }
 
 /// Whether `failure`, a [`Constraint::failure`], is a grammar that went past llguidance's
-/// per-step parser limits while generating: the request's own doing (a 400), where any other
+/// parser limits while generating: the request's own doing (a 400), where any other
 /// failure is the server's (a 500).
 pub fn exceeded_limits(failure: &str) -> bool {
     failure.starts_with(LIMITS_EXCEEDED)
@@ -476,6 +504,12 @@ impl std::fmt::Debug for GrammarCompiler {
 impl GrammarCompiler {
     /// Builds the token trie of `tokenizer` (its end-of-sequence tokens end a grammar).
     pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Self, String> {
+        Self::with_limits(tokenizer, ParserLimits::default())
+    }
+
+    /// [`GrammarCompiler::new`] with llguidance's `limits` (tests lower them to reach each
+    /// one with a small grammar).
+    fn with_limits(tokenizer: Arc<Tokenizer>, limits: ParserLimits) -> Result<Self, String> {
         let vocab = tokenizer.vocab_size();
         let eos: Vec<u32> = tokenizer
             .eos_token_ids()
@@ -511,7 +545,7 @@ impl GrammarCompiler {
         *factory.limits_mut() = ParserLimits {
             // Errors name the problem, not the whole grammar and token history.
             verbose_errors: false,
-            ..ParserLimits::default()
+            ..limits
         };
         Ok(Self { factory, vocab })
     }
@@ -556,6 +590,19 @@ impl GrammarCompiler {
                 // into the answer. Consuming it on a copy reports it now, for one step's work
                 // (bounded by the same limits). The copy shares the lexer's cache, which the
                 // step only extends as the first token's would.
+                //
+                // Where the first mask allows more than one token nothing is probed: a forced
+                // stretch past the limits may follow any of them, and any later free choice
+                // too (the 2nd token or the 100th), in states exponentially many in the
+                // depth. Probing the first choice alone would cost a consumed token and a
+                // mask per allowed token (a JSON string's first character allows most of the
+                // 49,152 tokens of SmolLM2's vocabulary; a mask takes tens of microseconds to
+                // milliseconds: seconds per compile against its 10 s deadline) and still miss
+                // the later ones; a row's items and the lexer's states grow with the output
+                // itself, which no probe of the start sees. Nor does the grammar's text tell:
+                // the doubling's 2^23 bytes are a failure when forced (`a23: "x"`) and an
+                // output served up to `max_tokens` when not (`a23: "x" | "y"`). Those are
+                // the request's error when they happen ([`exceeded_limits`]).
                 if mask.num_set() == 1 {
                     if let Some(t) = mask.first_bit_set() {
                         let mut probe = matcher.clone();
@@ -576,7 +623,7 @@ impl GrammarCompiler {
                 let e = e.to_string();
                 let why = match first_line(&e) {
                     // llguidance's word for "no token can extend the output and it cannot end".
-                    "NoExtensionBias" => "no output satisfies it",
+                    r if r == StopReason::NoExtensionBias.to_string() => "no output satisfies it",
                     other => other,
                 };
                 return Err(format!(
@@ -1380,6 +1427,148 @@ mod tests {
         assert_eq!(ids, vec![end as usize]);
     }
 
+    /// Commits allowed tokens other than `end`, picked with a seeded generator, until `c`
+    /// fails or `steps` went by; the failure, and how many tokens were committed.
+    fn walk_until_failure(
+        c: &Constraint,
+        vocab: usize,
+        end: u32,
+        seed: u64,
+        steps: usize,
+    ) -> (Option<String>, usize) {
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        for n in 0..steps {
+            let allowed = c.allowed(vocab);
+            if let Some(f) = c.failure() {
+                return (Some(f), n);
+            }
+            let ids: Vec<u32> = (0..vocab as u32)
+                .filter(|&t| t != end && is_allowed(&allowed, t as usize))
+                .collect();
+            assert!(!ids.is_empty(), "only the end is allowed after {n} tokens");
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            c.commit(ids[(state % ids.len() as u64) as usize]);
+        }
+        (c.failure(), steps)
+    }
+
+    /// Each of llguidance's limits that a grammar can reach only while generating, reached with
+    /// llguidance's own parser (each limit lowered so that a small grammar gets there in a few
+    /// tokens): a right recursion as deep as the output (a row's items), a regex whose
+    /// automaton is exponential (the lexer's states over the output, its fuel for one step).
+    /// Each failure is one past the parser's limits ([`exceeded_limits`]: the request's error)
+    /// with llguidance's words for it, so a version of llguidance that words them otherwise
+    /// fails here. With the default limits the same walks go on.
+    #[test]
+    fn each_parser_limit_reached_while_generating_is_the_requests_error() {
+        let tok = tokenizer();
+        let vocab = tok.vocab_size();
+        let end = tok.eos_token_ids()[0];
+        let recursion = "start: (\"a\" | \"b\") s\ns: \"x\" s | \"x\"\n";
+        let exponential = "start: (\"a\" | \"b\") /(a|b)*a(a|b){12}/\n";
+        let default = GrammarCompiler::new(tok.clone()).expect("compiler");
+        for (limits, grammar, words) in [
+            (
+                ParserLimits {
+                    max_items_in_row: 40,
+                    ..ParserLimits::default()
+                },
+                recursion,
+                "Parser Error: Current row has 4",
+            ),
+            (
+                ParserLimits {
+                    max_lexer_states: 100,
+                    ..ParserLimits::default()
+                },
+                exponential,
+                "lexer error: too many states: 100 >= 100",
+            ),
+            (
+                ParserLimits {
+                    step_lexer_fuel: 500,
+                    ..ParserLimits::default()
+                },
+                exponential,
+                "lexer error: too many expressions constructed",
+            ),
+        ] {
+            let spec = StructuredOutput::Grammar(grammar.into());
+            let compiler = GrammarCompiler::with_limits(tok.clone(), limits).expect("compiler");
+            let c = compiler
+                .compile(&spec, &[end], 1)
+                .expect("compiles")
+                .remove(0);
+            let (failure, n) = walk_until_failure(&c, vocab, end, 1, 400);
+            let failure = failure.unwrap_or_else(|| panic!("{grammar:?} did not fail"));
+            assert!(exceeded_limits(&failure), "{failure}");
+            assert!(n >= 2, "{failure}");
+            assert!(
+                failure.starts_with(&format!(
+                    "the grammar exceeded the parser's limits after {n} generated tokens ({words}"
+                )),
+                "{failure}"
+            );
+            let c = default
+                .compile(&spec, &[end], 1)
+                .expect("compiles")
+                .remove(0);
+            assert_eq!(walk_until_failure(&c, vocab, end, 1, n + 1).0, None);
+        }
+        // The doubling's huge output is a failure only where it is forced: with a choice at
+        // its end it is served (up to `max_tokens`).
+        let StructuredOutput::Grammar(g) = doubling("(\"a\" | \"b\")", 24) else {
+            unreachable!()
+        };
+        let free = StructuredOutput::Grammar(g.replace("a23: \"x\"", "a23: \"x\" | \"y\""));
+        let c = default
+            .compile(&free, &[end], 1)
+            .expect("compiles")
+            .remove(0);
+        assert_eq!(walk_until_failure(&c, vocab, end, 1, 64), (None, 64));
+    }
+
+    /// llguidance's matcher keeps only the text of an error: its stop reason is then
+    /// `InternalError` whatever the parser's was, so a limit is told by the text, from the
+    /// prefixes llguidance gives its parser's limit errors (its lexer's and its parser's
+    /// `ParserError`s, both "too complex"). Should a later llguidance keep the reason, this
+    /// fails, and the reason should be read instead.
+    #[test]
+    fn the_matcher_keeps_only_the_text_of_a_limit_error() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        assert_eq!(
+            limit_error_prefixes().collect::<Vec<_>>(),
+            ["lexer error: ", "parser error: "]
+        );
+        let parser = compiler
+            .factory
+            .create_parser(doubling("", 24).grammar())
+            .expect("parses");
+        let mut matcher = Matcher::new(Ok(parser));
+        let mask = matcher.compute_mask_or_eos().expect("the first mask");
+        assert_eq!(mask.num_set(), 1);
+        let t = mask.first_bit_set().expect("the forced token") as u32;
+        let e = matcher
+            .consume_token(t)
+            .expect_err("past the limits")
+            .to_string();
+        assert!(is_limit_error(&e), "{e}");
+        assert!(
+            e.starts_with("parser error: Too many items (limit 50000"),
+            "{e}"
+        );
+        assert!(matcher.is_error());
+        assert_eq!(matcher.stop_reason(), StopReason::InternalError);
+        assert_eq!(matcher.get_error().as_deref(), Some(e.as_str()));
+        // A token outside the mask fails with the same stop reason and other words.
+        assert!(!is_limit_error(
+            "Parser Error: token \"z\" doesn't satisfy the grammar; byte 'z' fails parse"
+        ));
+    }
+
     /// The reviewer's schema: 20 intersected patterns took llguidance 45 s before it gave up.
     fn intersected_patterns(n: usize) -> Value {
         let letters: Vec<char> = ('a'..='z').collect();
@@ -1463,16 +1652,26 @@ mod tests {
         let tok = tokenizer();
         let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
         let end = [tok.eos_token_ids()[0]];
-        for spec in [
+        for (spec, why) in [
             // A reference that only refers to itself: no output satisfies it.
-            StructuredOutput::JsonSchema(json!({"$defs": {"a": {"$ref": "#/$defs/a"}},
-                                                "$ref": "#/$defs/a"})),
+            (
+                StructuredOutput::JsonSchema(json!({"$defs": {"a": {"$ref": "#/$defs/a"}},
+                                                    "$ref": "#/$defs/a"})),
+                "no finite output satisfies it",
+            ),
+            (
+                StructuredOutput::Grammar("start: A\nA: /a/ & /b/\n".into()),
+                "no output satisfies it",
+            ),
             // Beyond llguidance's lexer limits from the first token.
-            StructuredOutput::Regex("(.{1,1000}){1,1000}".into()),
+            (
+                StructuredOutput::Regex("(.{1,1000}){1,1000}".into()),
+                "lexer error",
+            ),
         ] {
             let e = compiler.compile(&spec, &end, 1).expect_err("refused");
             assert!(
-                e.starts_with("invalid structured output specification"),
+                e.starts_with("invalid structured output specification") && e.contains(why),
                 "{spec:?}: {e}"
             );
         }
