@@ -123,6 +123,7 @@ for ts in $scales; do
   "$bin" bench serve --base-url "http://127.0.0.1:$port" --dataset trace \
     --dataset-path "$out/trace.csv" --num-prompts "$n" --max-input-len 4096 \
     --max-output-len 4096 --time-scale "$ts" --result-file "$out/serve-$ts.json" \
+    --percentile-metrics ttft,tpot,itl,e2el \
     "${lora_bench[@]}" >/dev/null
   # The server's own median time per request from its receipt to its queue, as an operator
   # reads it off /metrics, in microseconds: the simulator's scheduler.front_end_us.

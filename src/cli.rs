@@ -328,6 +328,19 @@ pub struct ServeBenchArgs {
     /// of the run.
     #[arg(long, num_args = 1.., value_name = "KEY:MS")]
     pub goodput: Vec<String>,
+    /// vLLM's --percentile-metrics: the comma-separated metrics whose figures (mean, median
+    /// and --metric-percentiles) the report shows and --result-file holds, of ttft, tpot,
+    /// itl, e2el, client_queue_time and e2el_including_client_queue (the last two where the
+    /// run measures them: under --max-concurrency, the second at a --request-rate or a
+    /// trace's times). Default "ttft,tpot,itl"; "e2el" with --endpoint embeddings, which
+    /// measures no ttft, tpot or itl.
+    #[arg(long, value_name = "METRICS")]
+    pub percentile_metrics: Option<String>,
+    /// vLLM's --metric-percentiles: the comma-separated percentiles (0 to 100) shown of each
+    /// metric of --percentile-metrics, `P99.9 TTFT (ms):` and `p99.9_ttft_ms` for 99.9 (at
+    /// most 100 of them).
+    #[arg(long, default_value = "99", value_name = "PERCENTILES")]
+    pub metric_percentiles: String,
     /// Start a run whose arrivals are expected to span more than 24 hours (--num-prompts /
     /// --request-rate, or the trace's times over --time-scale). Without it such a run is
     /// refused before any request is sent: it is more often a mistyped rate than a soak test.

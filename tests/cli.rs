@@ -755,6 +755,10 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
             "8",
             "--num-warmups",
             "3",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el,client_queue_time",
+            "--metric-percentiles",
+            "99,99.9",
             "--goodput",
             "ttft:600000",
             "e2el:600000",
@@ -786,7 +790,9 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
         "Output token throughput (tok/s):",
         "Median TTFT (ms):",
         "P99 TPOT (ms):",
+        "P99.9 TTFT (ms):",
         "Mean ITL (ms):",
+        "Median E2EL (ms):",
         "Maximum request concurrency:",
         "Request goodput (req/s):",
         "Peak output token throughput (tok/s):",
@@ -810,9 +816,25 @@ fn bench_serve_reports_vllm_labels_against_a_live_server() {
         "std_e2el_ms",
         "mean_client_queue_time_ms",
         "p99_client_queue_time_ms",
+        "p99.9_client_queue_time_ms",
     ] {
         assert!(v[key].as_f64().is_some_and(|x| x >= 0.0), "{key} in {v}");
     }
+    // A higher percentile of the same values is no lower.
+    assert!(
+        v["p99.9_ttft_ms"].as_f64().unwrap() >= v["p99_ttft_ms"].as_f64().unwrap(),
+        "{v}"
+    );
+    // vLLM's traffic keys: no rate is an infinite one, written "inf".
+    assert_eq!(
+        (&v["request_rate"], &v["burstiness"], &v["max_concurrency"]),
+        (
+            &serde_json::json!("inf"),
+            &serde_json::json!(1.0),
+            &serde_json::json!(4)
+        ),
+        "{v}"
+    );
     // Under --max-concurrency vLLM's client-side queueing shows; the queue-inclusive E2E
     // latency only where a rate or a trace paces the arrivals.
     assert!(stdout.contains("Mean Client Queue Time (ms):"), "{stdout}");

@@ -5,8 +5,9 @@
 //! (`embeddings`), one prompt or `--embedding-batch` of them a request.
 //!
 //! A fixed pool of threads, one per request in flight, sends the requests through the
-//! HTTP/1.1 client in `http` (plain, or TLS verified against `--cacert`): the generator must
-//! not be the bottleneck at the concurrencies a single server sees.
+//! HTTP/1.1 client in `http` (plain, or TLS verified against `--cacert`) on kept-alive
+//! connections they share, as vLLM's client does: the generator must not be the bottleneck at
+//! the concurrencies a single server sees.
 
 mod embeddings;
 mod http;
@@ -27,7 +28,7 @@ use switchyard_simulator::spec::{short_number, show_range, RATE_RANGE, TIME_SCAL
 use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_REQUESTS as MAX_ROWS};
 
 use self::embeddings::MAX_EMBEDDING_BATCH;
-use self::http::{first_model, one_request, parse_url, Target, MAX_SMALL_RESPONSE_BYTES};
+use self::http::{first_model, one_request, parse_url, Pool, Target, MAX_SMALL_RESPONSE_BYTES};
 use super::mooncake::{self, MooncakeRow, RowShape, TokenSpace, TraceReuse};
 use crate::cli::{ServeBenchArgs, ServeDataset, ServeEndpoint};
 
@@ -69,11 +70,12 @@ struct Sample {
     /// The prompt tokens the server's prefix cache served, where its `usage` says
     /// (`prompt_tokens_details.cached_tokens`).
     cached_tokens: Option<usize>,
-    /// When it was sent (its connection up), where it was.
+    /// When it was sent (issued, before a connection was taken or opened for it, as vLLM's
+    /// clock starts), where it was.
     sent: Option<Instant>,
     /// Seconds from when it was due to when a thread took it: its wait for a free thread at
-    /// `--max-concurrency` (vLLM's client queue time; the connection's set-up after it counts
-    /// in neither this nor the latencies, as on a connection vLLM's client reuses).
+    /// `--max-concurrency` (vLLM's client queue time; a connection's set-up after it, where no
+    /// kept-alive one was idle, counts in its latencies, as in vLLM's).
     queued: f64,
 }
 
@@ -190,6 +192,7 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
         );
     }
     Goodput::parse(&args.goodput)?;
+    Selection::parse(args)?;
     anyhow::ensure!(
         TIME_SCALE_RANGE.contains(&args.time_scale),
         "--time-scale {} outside {} (it divides the trace's arrival times: 2 = twice as fast)",
@@ -709,8 +712,10 @@ fn spawn_workers(
     };
     let (job_tx, job_rx) = channel::unbounded::<Job>();
     let (tx, rx) = channel::unbounded::<Sample>();
+    // One connection a thread at most: never more idle than threads.
+    let pool = Arc::new(Pool::new(target.clone(), n));
     for w in 0..n {
-        let target = target.clone();
+        let pool = Arc::clone(&pool);
         let (path, key) = (path.clone(), key.map(str::to_string));
         let (job_rx, tx) = (job_rx.clone(), tx.clone());
         std::thread::Builder::new()
@@ -721,10 +726,10 @@ fn spawn_workers(
                     let key = key.as_deref();
                     let sample = match endpoint {
                         ServeEndpoint::Completions => {
-                            one_request(&target, &path, key, &job.body, job.input)
+                            one_request(&pool, &path, key, &job.body, job.input)
                         }
                         ServeEndpoint::Embeddings => {
-                            embeddings::one_request(&target, &path, key, &job)
+                            embeddings::one_request(&pool, &path, key, &job)
                         }
                     };
                     let mut sample = sample.unwrap_or_else(|e| Sample {
@@ -909,7 +914,7 @@ pub fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
     let samples = done.samples;
     let duration = start.elapsed().as_secs_f64();
     if args.endpoint == ServeEndpoint::Embeddings {
-        return embeddings::report(&args, &samples, duration, trace_reuse);
+        return embeddings::report(&args, &samples, duration, trace_reuse, capped);
     }
     let spec = match (spec_before, spec_counters(&target)) {
         (Some(a), Some(b)) => Some(SpecCounters {
@@ -1020,21 +1025,242 @@ fn parse_spec_counters(text: &str) -> Option<SpecCounters> {
     })
 }
 
-/// The mean, median, 99th percentile and standard deviation of a sample of seconds, in ms,
-/// as vLLM computes them with NumPy: percentiles interpolate linearly between the sorted
+/// The metrics of vLLM's `--percentile-metrics`, in the order its report shows them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Metric {
+    Ttft,
+    Tpot,
+    Itl,
+    E2el,
+    ClientQueueTime,
+    E2elIncludingClientQueue,
+}
+
+impl Metric {
+    const ALL: [Metric; 6] = [
+        Metric::Ttft,
+        Metric::Tpot,
+        Metric::Itl,
+        Metric::E2el,
+        Metric::ClientQueueTime,
+        Metric::E2elIncludingClientQueue,
+    ];
+
+    /// Its name in `--percentile-metrics` and in the result file's keys.
+    fn key(self) -> &'static str {
+        match self {
+            Metric::Ttft => "ttft",
+            Metric::Tpot => "tpot",
+            Metric::Itl => "itl",
+            Metric::E2el => "e2el",
+            Metric::ClientQueueTime => "client_queue_time",
+            Metric::E2elIncludingClientQueue => "e2el_including_client_queue",
+        }
+    }
+
+    /// Its name in the report's lines.
+    fn label(self) -> &'static str {
+        match self {
+            Metric::Ttft => "TTFT",
+            Metric::Tpot => "TPOT",
+            Metric::Itl => "ITL",
+            Metric::E2el => "E2EL",
+            Metric::ClientQueueTime => "Client Queue Time",
+            Metric::E2elIncludingClientQueue => "E2EL incl. Client Queue",
+        }
+    }
+
+    /// The title of its section of the report.
+    fn title(self) -> &'static str {
+        match self {
+            Metric::Ttft => "Time to First Token",
+            Metric::Tpot => "Time per Output Token (excl. 1st token)",
+            Metric::Itl => "Inter-token Latency",
+            Metric::E2el => "End-to-end Latency",
+            Metric::ClientQueueTime => "Client-side Queueing",
+            Metric::E2elIncludingClientQueue => "Queue-inclusive End-to-end Latency",
+        }
+    }
+
+    /// Whether an embeddings run measures it (no tokens are streamed there).
+    fn of_embeddings(self) -> bool {
+        !matches!(self, Metric::Ttft | Metric::Tpot | Metric::Itl)
+    }
+}
+
+/// Most percentiles in `--metric-percentiles`.
+const MAX_PERCENTILES: usize = 100;
+
+/// One percentile of `--metric-percentiles`: its value, and how vLLM writes it in a line and a
+/// key (`99`, `99.9`).
+#[derive(Debug, Clone, PartialEq)]
+struct Percentile {
+    p: f64,
+    word: String,
+}
+
+/// How vLLM writes a percentile `p` in a label or key: `str(int(p)) if int(p) == p else
+/// str(p)`, Python's shortest repr of the float (with an exponent of two digits or more below
+/// 1e-4, as Python writes `5e-05`).
+fn percentile_word(p: f64) -> String {
+    if p.fract() == 0.0 {
+        // `validate` keeps p within [0, 100].
+        return format!("{}", p as i64);
+    }
+    if p.abs() < 1e-4 {
+        let e = format!("{p:e}");
+        if let Some((mantissa, exp)) = e.split_once('e') {
+            if let Ok(exp) = exp.parse::<i32>() {
+                let sign = if exp < 0 { '-' } else { '+' };
+                return format!("{mantissa}e{sign}{:02}", exp.unsigned_abs());
+            }
+        }
+        return e;
+    }
+    format!("{p}")
+}
+
+/// What `--percentile-metrics` and `--metric-percentiles` select: the metrics whose sections
+/// the report shows, and the percentiles of each.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Selection {
+    metrics: Vec<Metric>,
+    percentiles: Vec<Percentile>,
+}
+
+impl Default for Selection {
+    /// vLLM's defaults for a completions run: TTFT, TPOT and ITL, their P99.
+    fn default() -> Selection {
+        Selection {
+            metrics: vec![Metric::Ttft, Metric::Tpot, Metric::Itl],
+            percentiles: vec![Percentile {
+                p: 99.0,
+                word: "99".into(),
+            }],
+        }
+    }
+}
+
+impl Selection {
+    /// The selection of the arguments (vLLM's defaults: `ttft,tpot,itl`, `e2el` for
+    /// embeddings, and `99`); an unknown metric, one an embeddings run does not measure, or a
+    /// percentile that is not a number from 0 to 100 is an error.
+    pub(super) fn parse(args: &ServeBenchArgs) -> anyhow::Result<Selection> {
+        let embeddings = args.endpoint == ServeEndpoint::Embeddings;
+        let names = args.percentile_metrics.as_deref().unwrap_or(if embeddings {
+            "e2el"
+        } else {
+            "ttft,tpot,itl"
+        });
+        let mut metrics = Vec::new();
+        for name in names.split(',').map(str::trim) {
+            let shown: String = name.chars().take(64).collect();
+            let metric = Metric::ALL
+                .into_iter()
+                .find(|m| m.key() == name)
+                .with_context(|| {
+                    format!(
+                        "--percentile-metrics: unknown metric `{shown}` (the metrics are {})",
+                        Metric::ALL.map(Metric::key).join(", ")
+                    )
+                })?;
+            anyhow::ensure!(
+                !embeddings || metric.of_embeddings(),
+                "--percentile-metrics: an embeddings run measures no {name} (its metrics are e2el, \
+                 client_queue_time and e2el_including_client_queue)"
+            );
+            if !metrics.contains(&metric) {
+                metrics.push(metric);
+            }
+        }
+        let mut percentiles = Vec::new();
+        for text in args.metric_percentiles.split(',').map(str::trim) {
+            let shown: String = text.chars().take(64).collect();
+            let p: f64 = text
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--metric-percentiles: `{shown}` is not a number"))?;
+            anyhow::ensure!(
+                (0.0..=100.0).contains(&p),
+                "--metric-percentiles: {shown} is outside 0 to 100"
+            );
+            anyhow::ensure!(
+                percentiles.len() < MAX_PERCENTILES,
+                "--metric-percentiles: more than {MAX_PERCENTILES} percentiles"
+            );
+            percentiles.push(Percentile {
+                p,
+                word: percentile_word(p),
+            });
+        }
+        Ok(Selection {
+            metrics,
+            percentiles,
+        })
+    }
+
+    /// The percentiles' values.
+    fn values(&self) -> Vec<f64> {
+        self.percentiles.iter().map(|p| p.p).collect()
+    }
+
+    /// Prints the section of each metric selected, of those the run `measured`, in vLLM's
+    /// order: its mean, median and percentiles, in ms.
+    fn print(&self, measured: &[(Metric, &Stats)]) {
+        for (metric, s) in self.shown(measured) {
+            let name = metric.label();
+            println!("{:-^50}", metric.title());
+            println!("{:<40}{:.2}", format!("Mean {name} (ms):"), s.mean);
+            println!("{:<40}{:.2}", format!("Median {name} (ms):"), s.median);
+            for (p, v) in self.percentiles.iter().zip(&s.percentiles) {
+                println!("{:<40}{:.2}", format!("P{} {name} (ms):", p.word), v);
+            }
+        }
+    }
+
+    /// Adds the printed sections' figures to `--result-file`'s object, under vLLM's keys:
+    /// `mean_ttft_ms`, `median_ttft_ms`, `std_ttft_ms`, `p99_ttft_ms`, `p99.9_ttft_ms`, ...
+    fn add_to(&self, measured: &[(Metric, &Stats)], result: &mut serde_json::Value) {
+        for (metric, s) in self.shown(measured) {
+            let key = metric.key();
+            result[format!("mean_{key}_ms")] = json!(s.mean);
+            result[format!("median_{key}_ms")] = json!(s.median);
+            result[format!("std_{key}_ms")] = json!(s.std);
+            for (p, v) in self.percentiles.iter().zip(&s.percentiles) {
+                result[format!("p{}_{key}_ms", p.word)] = json!(v);
+            }
+        }
+    }
+
+    /// The metrics selected and measured, in vLLM's order.
+    fn shown<'a>(&self, measured: &[(Metric, &'a Stats)]) -> Vec<(Metric, &'a Stats)> {
+        Metric::ALL
+            .into_iter()
+            .filter(|m| self.metrics.contains(m))
+            .filter_map(|m| measured.iter().find(|(n, _)| *n == m).copied())
+            .collect()
+    }
+}
+
+/// The mean, median, standard deviation and selected percentiles of a sample of seconds, in
+/// ms, as vLLM computes them with NumPy: percentiles interpolate linearly between the sorted
 /// values, the deviation is the population's (`np.std`), and an empty sample gives 0 for each
 /// (vLLM's `np.mean(x or 0)`).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub(super) struct Stats {
     pub(super) mean: f64,
     pub(super) median: f64,
-    pub(super) p99: f64,
     pub(super) std: f64,
+    /// One per percentile asked for, in their order.
+    pub(super) percentiles: Vec<f64>,
 }
 
-pub(super) fn stats(mut v: Vec<f64>) -> Stats {
+/// The figures of `v` (seconds) with the percentiles `ps` (0 to 100).
+pub(super) fn stats(mut v: Vec<f64>, ps: &[f64]) -> Stats {
     if v.is_empty() {
-        return Stats::default();
+        return Stats {
+            percentiles: vec![0.0; ps.len()],
+            ..Stats::default()
+        };
     }
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len() as f64;
@@ -1043,18 +1269,8 @@ pub(super) fn stats(mut v: Vec<f64>) -> Stats {
     Stats {
         mean: mean * 1e3,
         median: percentile(&v, 50.0) * 1e3,
-        p99: percentile(&v, 99.0) * 1e3,
         std: var.sqrt() * 1e3,
-    }
-}
-
-impl Stats {
-    /// Adds `mean_NAME_ms`, `median_NAME_ms`, `p99_NAME_ms` and `std_NAME_ms` to `result`.
-    pub(super) fn add_to(&self, name: &str, result: &mut serde_json::Value) {
-        result[format!("mean_{name}_ms")] = json!(self.mean);
-        result[format!("median_{name}_ms")] = json!(self.median);
-        result[format!("p99_{name}_ms")] = json!(self.p99);
-        result[format!("std_{name}_ms")] = json!(self.std);
+        percentiles: ps.iter().map(|&p| percentile(&v, p) * 1e3).collect(),
     }
 }
 
@@ -1244,6 +1460,42 @@ fn close_report(
     Ok(())
 }
 
+/// The warning of a run without `--max-concurrency` in which a request due found every one
+/// of the [`DEFAULT_IN_FLIGHT`] threads busy.
+fn capped_warning(args: &ServeBenchArgs, ok: &[&Sample], capped: bool) {
+    if args.max_concurrency.is_some() || !capped {
+        return;
+    }
+    let held = ok.iter().filter(|s| s.queued >= HELD_S).count();
+    eprintln!(
+        "warning: every one of the {DEFAULT_IN_FLIGHT} threads was busy when a request was due \
+         ({held} of {} successful requests waited 1 ms or more): their latencies count from \
+         their sending, as vLLM's, and the wait is the Client Queue Time (shown with \
+         --percentile-metrics client_queue_time); --max-concurrency sets the limit",
+        ok.len()
+    );
+}
+
+/// A rate or burstiness as vLLM's `--result-file` holds it: the number, or the string "inf"
+/// where it is infinite (vLLM writes `request_rate` so; its `burstiness` it writes as Python's
+/// `Infinity`, which is not JSON).
+fn finite_or_inf(x: f64) -> serde_json::Value {
+    if x.is_finite() {
+        json!(x)
+    } else {
+        json!("inf")
+    }
+}
+
+/// Adds the traffic asked for to `--result-file`'s object, as vLLM writes it: `request_rate`
+/// ("inf" without one: every request at once, vLLM's default), `burstiness` (1 without one)
+/// and `max_concurrency` (null without one).
+fn add_traffic(args: &ServeBenchArgs, result: &mut serde_json::Value) {
+    result["request_rate"] = finite_or_inf(args.request_rate.unwrap_or(f64::INFINITY));
+    result["burstiness"] = finite_or_inf(args.burstiness.unwrap_or(1.0));
+    result["max_concurrency"] = json!(args.max_concurrency);
+}
+
 fn report(
     args: &ServeBenchArgs,
     samples: &[Sample],
@@ -1258,18 +1510,10 @@ fn report(
         eprintln!("{warning}");
     }
     let goodput = Goodput::parse(&args.goodput)?;
+    let selection = Selection::parse(args)?;
     let shown = QueueFigures::of(args, capped);
-    let held = ok.iter().filter(|s| s.queued >= HELD_S).count();
-    if args.max_concurrency.is_none() && capped {
-        eprintln!(
-            "warning: every one of the {DEFAULT_IN_FLIGHT} threads was busy when a request \
-             was due ({held} of {} successful requests waited 1 ms or more): their latencies \
-             count from their sending, as vLLM's, and the wait is the Client Queue Time; \
-             --max-concurrency sets the limit",
-            ok.len()
-        );
-    }
-    let figures = Figures::of(ok, duration, goodput.as_ref(), shown);
+    capped_warning(args, ok, capped);
+    let figures = Figures::of(ok, duration, goodput.as_ref(), shown, &selection);
     counted.print_head(args, duration);
     figures.print();
     if let Some(sp) = spec {
@@ -1286,9 +1530,8 @@ fn report(
         let mut result = json!({
             "completed": ok.len(), "failed": counted.failed, "duration": duration,
             "total_input_tokens": counted.input,
-            "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
-            "burstiness": args.burstiness.unwrap_or(1.0),
         });
+        add_traffic(args, &mut result);
         figures.add_to(&mut result);
         if let Some(sp) = spec {
             // vLLM's keys: the rate in percent.
@@ -1332,14 +1575,17 @@ struct Figures {
     /// The client queue time of each request, and its E2E latency with it.
     queue: Stats,
     e2el_with_queue: Stats,
-    /// Which of those the report shows.
+    /// Which of those the run measured, as vLLM's.
     shown: QueueFigures,
+    /// The metrics and percentiles the report shows.
+    selection: Selection,
 }
 
-/// Which client-queue figures a report shows: vLLM's "Client-side Queueing" under
-/// `--max-concurrency`, and its "Queue-inclusive End-to-end Latency" too where the arrivals
-/// are paced (a rate or a trace's times). Without `--max-concurrency` the queue shows where
-/// requests waited for one of the [`DEFAULT_IN_FLIGHT`] threads all the same.
+/// Which client-queue figures a run measures (and a report shows where `--percentile-metrics`
+/// selects them): vLLM's client queue time under `--max-concurrency`, and its queue-inclusive
+/// E2E latency too where the arrivals are paced (a rate or a trace's times). Without
+/// `--max-concurrency` the queue is measured where requests waited for one of the
+/// [`DEFAULT_IN_FLIGHT`] threads all the same.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct QueueFigures {
     queue: bool,
@@ -1359,6 +1605,19 @@ impl QueueFigures {
             e2el: queue && (paced_rate(args).is_some() || replays_times(args.dataset)),
         }
     }
+
+    /// The client-queue metrics measured, with their figures: the client queue time and the
+    /// E2E latency with it.
+    fn measured<'a>(&self, queue: &'a Stats, e2el: &'a Stats) -> Vec<(Metric, &'a Stats)> {
+        let mut measured = Vec::new();
+        if self.queue {
+            measured.push((Metric::ClientQueueTime, queue));
+        }
+        if self.e2el {
+            measured.push((Metric::E2elIncludingClientQueue, e2el));
+        }
+        measured
+    }
 }
 
 impl Figures {
@@ -1367,8 +1626,10 @@ impl Figures {
         duration: f64,
         goodput: Option<&Goodput>,
         shown: QueueFigures,
+        selection: &Selection,
     ) -> Figures {
         let (peak_output, peak_concurrency) = peaks(ok);
+        let ps = selection.values();
         Figures {
             duration: duration.max(1e-9),
             completed: ok.len(),
@@ -1381,38 +1642,29 @@ impl Figures {
                 .map(|s| s.output_tokens)
                 .fold(0, usize::saturating_add),
             good: goodput.map(|g| ok.iter().filter(|s| g.met(s)).count()),
-            ttft: stats(ok.iter().map(|s| s.ttft).collect()),
-            tpot: stats(ok.iter().filter_map(|s| tpot(s)).collect()),
-            itl: stats(ok.iter().flat_map(|s| s.itl.iter().copied()).collect()),
-            e2el: stats(ok.iter().map(|s| s.latency).collect()),
+            ttft: stats(ok.iter().map(|s| s.ttft).collect(), &ps),
+            tpot: stats(ok.iter().filter_map(|s| tpot(s)).collect(), &ps),
+            itl: stats(ok.iter().flat_map(|s| s.itl.iter().copied()).collect(), &ps),
+            e2el: stats(ok.iter().map(|s| s.latency).collect(), &ps),
             peak_output,
             peak_concurrency,
-            queue: stats(ok.iter().map(|s| s.queued).collect()),
-            e2el_with_queue: stats(ok.iter().map(|s| s.queued + s.latency).collect()),
+            queue: stats(ok.iter().map(|s| s.queued).collect(), &ps),
+            e2el_with_queue: stats(ok.iter().map(|s| s.queued + s.latency).collect(), &ps),
             shown,
+            selection: selection.clone(),
         }
     }
 
-    /// The client-queue figures shown: (key, label, section title, figures).
-    fn queue_shown(&self) -> Vec<(&'static str, &'static str, &'static str, Stats)> {
-        let mut shown = Vec::new();
-        if self.shown.queue {
-            shown.push((
-                "client_queue_time",
-                "Client Queue Time",
-                "Client-side Queueing",
-                self.queue,
-            ));
-        }
-        if self.shown.e2el {
-            shown.push((
-                "e2el_including_client_queue",
-                "E2EL incl. Client Queue",
-                "Queue-inclusive End-to-end Latency",
-                self.e2el_with_queue,
-            ));
-        }
-        shown
+    /// The figures of each metric the run measured.
+    fn measured(&self) -> Vec<(Metric, &Stats)> {
+        let mut measured = vec![
+            (Metric::Ttft, &self.ttft),
+            (Metric::Tpot, &self.tpot),
+            (Metric::Itl, &self.itl),
+            (Metric::E2el, &self.e2el),
+        ];
+        measured.extend(self.shown.measured(&self.queue, &self.e2el_with_queue));
+        measured
     }
 
     /// Per second of the run.
@@ -1449,21 +1701,7 @@ impl Figures {
             "Total Token throughput (tok/s):",
             self.rate(self.input.saturating_add(self.output))
         );
-        let queue = self.queue_shown();
-        for (title, name, s) in [
-            ("Time to First Token", "TTFT", self.ttft),
-            ("Time per Output Token (excl. 1st token)", "TPOT", self.tpot),
-            ("Inter-token Latency", "ITL", self.itl),
-            ("End-to-end Latency", "E2EL", self.e2el),
-        ]
-        .into_iter()
-        .chain(queue.iter().map(|&(_, name, title, s)| (title, name, s)))
-        {
-            println!("{:-^50}", title);
-            println!("{:<40}{:.2}", format!("Mean {name} (ms):"), s.mean);
-            println!("{:<40}{:.2}", format!("Median {name} (ms):"), s.median);
-            println!("{:<40}{:.2}", format!("P99 {name} (ms):"), s.p99);
-        }
+        self.selection.print(&self.measured());
     }
 
     /// Adds the figures to `--result-file`'s object, under vLLM's keys.
@@ -1475,17 +1713,7 @@ impl Figures {
         result["total_token_throughput"] = json!(self.rate(self.input.saturating_add(self.output)));
         result["max_output_tokens_per_s"] = json!(self.peak_output);
         result["max_concurrent_requests"] = json!(self.peak_concurrency);
-        for (name, s) in [
-            ("ttft", self.ttft),
-            ("tpot", self.tpot),
-            ("itl", self.itl),
-            ("e2el", self.e2el),
-        ]
-        .into_iter()
-        .chain(self.queue_shown().iter().map(|&(key, _, _, s)| (key, s)))
-        {
-            s.add_to(name, result);
-        }
+        self.selection.add_to(&self.measured(), result);
     }
 }
 
@@ -1554,16 +1782,148 @@ mod tests {
         assert_eq!(percentile(&v, 50.0), 2.5);
         assert!((percentile(&v, 99.0) - 3.97).abs() < 1e-12);
         assert_eq!(percentile(&[], 99.0), 0.0);
-        let s = stats(vec![0.004, 0.001, 0.003, 0.002]);
+        // numpy.percentile([1, 2, 3, 4], [99, 25, 0, 100]) = [3.97, 1.75, 1, 4]
+        let s = stats(vec![0.004, 0.001, 0.003, 0.002], &[99.0, 25.0, 0.0, 100.0]);
         assert!((s.mean - 2.5).abs() < 1e-9 && (s.median - 2.5).abs() < 1e-9);
-        assert!((s.p99 - 3.97).abs() < 1e-9);
+        let want = [3.97, 1.75, 1.0, 4.0];
+        assert!(
+            s.percentiles
+                .iter()
+                .zip(want)
+                .all(|(p, w)| (p - w).abs() < 1e-9),
+            "{s:?}"
+        );
         // numpy.std([1, 2, 3, 4]) = sqrt(1.25) (the population's, ddof 0).
         assert!((s.std - 1.25f64.sqrt()).abs() < 1e-9, "{s:?}");
         // An empty sample is 0 throughout, as vLLM's `np.mean(x or 0)`; never NaN.
-        assert_eq!(stats(Vec::new()), Stats::default());
-        let mut result = json!({});
-        stats(Vec::new()).add_to("tpot", &mut result);
-        assert_eq!(result["std_tpot_ms"], json!(0.0));
+        let empty = stats(Vec::new(), &[99.0, 50.0]);
+        assert_eq!((empty.mean, empty.median, empty.std), (0.0, 0.0, 0.0));
+        assert_eq!(empty.percentiles, vec![0.0, 0.0]);
+    }
+
+    /// vLLM writes a percentile as `str(int(p))` when whole, else Python's `str(p)`: the
+    /// words below are what Python 3 prints for them.
+    #[test]
+    fn percentiles_are_worded_as_python_writes_them() {
+        for (p, word) in [
+            (99.0, "99"),
+            (0.0, "0"),
+            (100.0, "100"),
+            (99.9, "99.9"),
+            (99.99, "99.99"),
+            (50.5, "50.5"),
+            (0.1, "0.1"),
+            (33.333, "33.333"),
+            (0.0001, "0.0001"),
+            (0.00005, "5e-05"),
+            (0.000025, "2.5e-05"),
+            (1e-10, "1e-10"),
+        ] {
+            assert_eq!(percentile_word(p), word, "{p}");
+        }
+    }
+
+    /// The metrics and percentiles selected, or the refusal, of `extra`'s arguments.
+    fn selection(extra: &str) -> anyhow::Result<Selection> {
+        let args = serve_args(extra);
+        validate(&args)?;
+        Selection::parse(&args)
+    }
+
+    #[test]
+    fn percentile_flags_take_vllms_names_and_defaults() {
+        let keys = |s: &Selection| s.metrics.iter().map(|m| m.key()).collect::<Vec<_>>();
+        let words = |s: &Selection| {
+            s.percentiles
+                .iter()
+                .map(|p| p.word.clone())
+                .collect::<Vec<_>>()
+        };
+        let default = selection("").unwrap();
+        assert_eq!(default, Selection::default());
+        assert_eq!(keys(&default), ["ttft", "tpot", "itl"]);
+        assert_eq!(words(&default), ["99"]);
+        assert_eq!(keys(&selection("--endpoint embeddings").unwrap()), ["e2el"]);
+        let all = "--percentile-metrics e2el_including_client_queue,client_queue_time,e2el,itl,\
+                   tpot,ttft --metric-percentiles 50,99.9,0,100";
+        let s = selection(all).unwrap();
+        assert_eq!(keys(&s).len(), 6);
+        assert_eq!(words(&s), ["50", "99.9", "0", "100"]);
+        let s = selection("--endpoint embeddings --percentile-metrics e2el,client_queue_time");
+        assert_eq!(keys(&s.unwrap()), ["e2el", "client_queue_time"]);
+        // Refused before anything is sent, with what is wrong.
+        for (extra, why) in [
+            (
+                "--percentile-metrics ttft,latency",
+                "--percentile-metrics: unknown metric `latency` (the metrics are ttft, tpot, \
+                 itl, e2el, client_queue_time, e2el_including_client_queue)",
+            ),
+            (
+                "--percentile-metrics ttft,",
+                "--percentile-metrics: unknown metric ``",
+            ),
+            (
+                "--endpoint embeddings --percentile-metrics e2el,itl",
+                "--percentile-metrics: an embeddings run measures no itl",
+            ),
+            (
+                "--metric-percentiles 99,p90",
+                "--metric-percentiles: `p90` is not a number",
+            ),
+            (
+                "--metric-percentiles 100.5",
+                "--metric-percentiles: 100.5 is outside 0 to 100",
+            ),
+            (
+                "--metric-percentiles=-1",
+                "--metric-percentiles: -1 is outside 0 to 100",
+            ),
+            (
+                "--metric-percentiles NaN",
+                "--metric-percentiles: NaN is outside 0 to 100",
+            ),
+            (
+                "--metric-percentiles inf",
+                "--metric-percentiles: inf is outside 0 to 100",
+            ),
+        ] {
+            let e = selection(extra).unwrap_err().to_string();
+            assert!(e.starts_with(why), "{extra}: {e}");
+        }
+        let many = vec!["50"; MAX_PERCENTILES + 1].join(",");
+        let e = selection(&format!("--metric-percentiles {many}")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--metric-percentiles: more than 100 percentiles"
+        );
+        assert!(selection(&format!("--metric-percentiles {}", &many[3..])).is_ok());
+    }
+
+    /// `--result-file`'s traffic keys as vLLM writes them: the string "inf" for an infinite
+    /// rate (or none: vLLM's default) or burstiness, null without --max-concurrency.
+    #[test]
+    fn infinite_rates_are_written_as_the_string_inf() {
+        let traffic = |extra: &str| {
+            let mut result = json!({});
+            add_traffic(&serve_args(extra), &mut result);
+            result
+        };
+        assert_eq!(
+            traffic(""),
+            json!({"request_rate": "inf", "burstiness": 1.0, "max_concurrency": null})
+        );
+        assert_eq!(
+            traffic("--request-rate inf --max-concurrency 8"),
+            json!({"request_rate": "inf", "burstiness": 1.0, "max_concurrency": 8})
+        );
+        assert_eq!(
+            traffic("--request-rate 2.5 --burstiness inf"),
+            json!({"request_rate": 2.5, "burstiness": "inf", "max_concurrency": null})
+        );
+        assert_eq!(
+            traffic("--request-rate 2 --burstiness 0.5")["burstiness"],
+            json!(0.5)
+        );
     }
 
     /// A successful sample sent `sent_ms` after `base`: its TTFT, gaps and E2E latency in
@@ -1620,23 +1980,45 @@ mod tests {
             (3, 1, 16)
         );
         let close = |x: f64, want: f64| (x - want).abs() < 1e-9;
-        let f = Figures::of(&counted.ok, 2.0, None, QueueFigures::default());
+        let f = Figures::of(
+            &counted.ok,
+            2.0,
+            None,
+            QueueFigures::default(),
+            &Selection::default(),
+        );
         assert_eq!((f.completed, f.input, f.output, f.good), (3, 16, 6, None));
         assert!(close(f.rate(f.completed), 1.5));
         assert!(close(f.rate(f.output), 3.0) && close(f.rate(f.input + f.output), 11.0));
         // TTFT 10, 40, 100 ms.
         assert!(close(f.ttft.mean, 50.0) && close(f.ttft.median, 40.0));
-        assert!(close(f.ttft.p99, 40.0 + 0.98 * 60.0), "{:?}", f.ttft);
+        assert!(
+            close(f.ttft.percentiles[0], 40.0 + 0.98 * 60.0),
+            "{:?}",
+            f.ttft
+        );
         // TPOT excludes the first token and B (one token): (60 - 10) / 2 = 25 ms, and
         // (1,100 - 100) / 1 = 1,000 ms.
         assert!(close(f.tpot.mean, 512.5) && close(f.tpot.median, 512.5));
-        assert!(close(f.tpot.p99, 25.0 + 0.99 * 975.0), "{:?}", f.tpot);
+        assert!(
+            close(f.tpot.percentiles[0], 25.0 + 0.99 * 975.0),
+            "{:?}",
+            f.tpot
+        );
         // ITL: every gap of every request, 20, 30 and 1,000 ms.
         assert!(close(f.itl.mean, 350.0) && close(f.itl.median, 30.0));
-        assert!(close(f.itl.p99, 30.0 + 0.98 * 970.0), "{:?}", f.itl);
+        assert!(
+            close(f.itl.percentiles[0], 30.0 + 0.98 * 970.0),
+            "{:?}",
+            f.itl
+        );
         // E2EL 60, 40, 1,100 ms; the failure counts nowhere.
         assert!(close(f.e2el.mean, 400.0) && close(f.e2el.median, 60.0));
-        assert!(close(f.e2el.p99, 60.0 + 0.98 * 1040.0), "{:?}", f.e2el);
+        assert!(
+            close(f.e2el.percentiles[0], 60.0 + 0.98 * 1040.0),
+            "{:?}",
+            f.e2el
+        );
         // Five chunks within the first second; A and C in flight at once, and B, sent as A
         // ends, not a third (vLLM's half-open intervals).
         assert_eq!((f.peak_output, f.peak_concurrency), (5.0, 2));
@@ -1645,9 +2027,15 @@ mod tests {
         let good = |pairs: &[&str]| {
             let pairs: Vec<String> = pairs.iter().map(|p| p.to_string()).collect();
             let g = Goodput::parse(&pairs).unwrap().unwrap();
-            Figures::of(&counted.ok, 2.0, Some(&g), QueueFigures::default())
-                .good
-                .unwrap()
+            Figures::of(
+                &counted.ok,
+                2.0,
+                Some(&g),
+                QueueFigures::default(),
+                &Selection::default(),
+            )
+            .good
+            .unwrap()
         };
         assert_eq!(good(&["ttft:50"]), 2);
         assert_eq!(good(&["ttft:50", "tpot:25"]), 2);
@@ -1660,10 +2048,16 @@ mod tests {
             queue: true,
             e2el: true,
         };
-        Figures::of(&counted.ok, 2.0, Some(&g), shown).add_to(&mut result);
+        let every = selection(
+            "--percentile-metrics ttft,tpot,itl,e2el,client_queue_time,\
+             e2el_including_client_queue",
+        )
+        .unwrap();
+        Figures::of(&counted.ok, 2.0, Some(&g), shown, &every).add_to(&mut result);
         assert_eq!(result["request_goodput"], json!(1.0));
         assert_eq!(result["max_concurrent_requests"], json!(2));
         assert!(close(result["p99_ttft_ms"].as_f64().unwrap(), 98.8));
+        assert!(close(result["mean_e2el_ms"].as_f64().unwrap(), 400.0));
         // Client queue times 0, 20 and 10 ms; E2E latencies with them 60, 60 and 1,110 ms.
         let key = |k: &str| {
             result[k]
@@ -1678,16 +2072,58 @@ mod tests {
             key("p99_e2el_including_client_queue_ms"),
             60.0 + 0.98 * 1050.0
         ));
-        // No objectives: null, as vLLM writes it.
+        // No objectives: null, as vLLM writes it. vLLM's default selection: TTFT, TPOT and
+        // ITL, their mean, median, deviation and P99, and no E2EL or client queue (measured
+        // or not) unless --percentile-metrics names them.
         let mut result = json!({});
         f.add_to(&mut result);
         assert_eq!(result["request_goodput"], serde_json::Value::Null);
+        let mut keys: Vec<&str> = result
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .filter(|k| k.ends_with("_ms"))
+            .collect();
+        keys.sort_unstable();
+        let mut want: Vec<String> = ["ttft", "tpot", "itl"]
+            .iter()
+            .flat_map(|m| ["mean", "median", "std", "p99"].map(|f| format!("{f}_{m}_ms")))
+            .collect();
+        want.sort_unstable();
+        assert_eq!(keys, want);
+        let mut result = json!({});
+        Figures::of(&counted.ok, 2.0, None, shown, &Selection::default()).add_to(&mut result);
         assert!(
             result.get("mean_client_queue_time_ms").is_none(),
             "{result}"
         );
+        // Other percentiles: named as vLLM names them, worked out by hand (NumPy's linear
+        // percentiles: P99.9 of 3 values at rank 1.998), in the order given.
+        let picked = selection("--percentile-metrics e2el,ttft --metric-percentiles 50,99.9");
+        let mut result = json!({});
+        Figures::of(&counted.ok, 2.0, None, shown, &picked.unwrap()).add_to(&mut result);
+        for (key, want) in [
+            ("p50_ttft_ms", 40.0),
+            ("p99.9_ttft_ms", 40.0 + 0.998 * 60.0),
+            ("median_ttft_ms", 40.0),
+            ("p50_e2el_ms", 60.0),
+            ("p99.9_e2el_ms", 60.0 + 0.998 * 1040.0),
+            ("mean_e2el_ms", 400.0),
+        ] {
+            let got = result[key].as_f64();
+            assert!(got.is_some_and(|v| close(v, want)), "{key} in {result}");
+        }
+        for absent in [
+            "p99_ttft_ms",
+            "mean_tpot_ms",
+            "mean_itl_ms",
+            "p50_client_queue_time_ms",
+        ] {
+            assert!(result.get(absent).is_none(), "{absent} in {result}");
+        }
         // Nothing succeeded: zeros, no NaN.
-        let none = Figures::of(&[], 0.0, None, QueueFigures::default());
+        let none = Figures::of(&[], 0.0, None, QueueFigures::default(), &every);
         assert_eq!((none.peak_output, none.peak_concurrency), (0.0, 0));
         assert_eq!(none.rate(0), 0.0);
     }
@@ -1705,7 +2141,13 @@ mod tests {
         ];
         let counted = Counted::of(&samples);
         assert_eq!(counted.input, usize::MAX);
-        let f = Figures::of(&counted.ok, 1.0, None, QueueFigures::default());
+        let f = Figures::of(
+            &counted.ok,
+            1.0,
+            None,
+            QueueFigures::default(),
+            &Selection::default(),
+        );
         assert_eq!((f.input, f.output), (usize::MAX, usize::MAX));
         let mut result = json!({});
         f.add_to(&mut result);

@@ -1,8 +1,8 @@
 //! `bench serve --endpoint embeddings`: each request POSTs `/v1/embeddings` with the token
 //! ids of one prompt, or of `--embedding-batch` prompts as a list of id lists, and is timed
-//! from its sending, once its connection is up, to the last byte of the answer (vLLM's
-//! `openai-embeddings` backend times the same request on a connection it reuses, and reports
-//! only its end-to-end latency).
+//! from its sending to the last byte of the answer, on a kept-alive connection where there is
+//! one (vLLM's `openai-embeddings` backend times the same request, and reports only its
+//! end-to-end latency).
 //!
 //! Every answer is checked before it counts as a success: status 200, one vector per input,
 //! each a list of finite floats, all of one length (the test request's, for the whole run).
@@ -10,8 +10,11 @@
 use serde::Deserialize;
 use serde_json::json;
 
-use super::http::{post, Target};
-use super::{close_report, stats, Counted, Job, PrefixReuse, Sample};
+use super::http::Pool;
+use super::{
+    add_traffic, capped_warning, close_report, stats, Counted, Job, Metric, PrefixReuse,
+    QueueFigures, Sample, Selection,
+};
 use crate::cli::ServeBenchArgs;
 use crate::commands::mooncake::TraceReuse;
 
@@ -131,12 +134,12 @@ fn check_answer(body: &[u8], job: &Job) -> Result<Checked, String> {
 
 /// Sends one embeddings request and checks its answer.
 pub(super) fn one_request(
-    target: &Target,
+    pool: &Pool,
     path: &str,
     key: Option<&str>,
     job: &Job,
 ) -> anyhow::Result<Sample> {
-    let mut head = post(target, path, key, &job.body)?;
+    let mut head = pool.post(path, key, &job.body)?;
     let t0 = head.sent;
     let mut sample = Sample {
         prompt_tokens: job.input,
@@ -146,10 +149,12 @@ pub(super) fn one_request(
     };
     if head.status != 200 {
         sample.error = head.error();
+        head.release(pool);
         return Ok(sample);
     }
     let body = head.body(MAX_RESPONSE_BYTES)?;
     sample.latency = t0.elapsed().as_secs_f64();
+    head.release(pool);
     match check_answer(&body, job) {
         Ok(c) => {
             sample.ok = true;
@@ -184,17 +189,25 @@ pub(super) fn report(
     samples: &[Sample],
     duration: f64,
     trace_reuse: Option<TraceReuse>,
+    capped: bool,
 ) -> anyhow::Result<()> {
     let counted = Counted::of(samples);
     let ok = &counted.ok;
     if let Some(warning) = usage_warning(ok) {
         eprintln!("{warning}");
     }
+    capped_warning(args, ok, capped);
+    let selection = Selection::parse(args)?;
+    let ps = selection.values();
+    let queue = stats(ok.iter().map(|s| s.queued).collect(), &ps);
+    let e2el_with_queue = stats(ok.iter().map(|s| s.queued + s.latency).collect(), &ps);
     let (failed, input) = (counted.failed, counted.input);
     let inputs: usize = ok.iter().map(|s| s.inputs).sum();
     // Every success has the test request's length (`check_answer`), so the first says it.
     let dimension = ok.first().map_or(0, |s| s.dimension);
-    let e2el = stats(ok.iter().map(|s| s.latency).collect());
+    let e2el = stats(ok.iter().map(|s| s.latency).collect(), &ps);
+    let mut measured = vec![(Metric::E2el, &e2el)];
+    measured.extend(QueueFigures::of(args, capped).measured(&queue, &e2el_with_queue));
     let d = duration.max(1e-9);
     counted.print_head(args, duration);
     println!(
@@ -214,10 +227,7 @@ pub(super) fn report(
         inputs as f64 / d
     );
     println!("{:<40}{}", "Embedding dimension:", dimension);
-    println!("{:-^50}", "End-to-end Latency");
-    println!("{:<40}{:.2}", "Mean E2EL (ms):", e2el.mean);
-    println!("{:<40}{:.2}", "Median E2EL (ms):", e2el.median);
-    println!("{:<40}{:.2}", "P99 E2EL (ms):", e2el.p99);
+    selection.print(&measured);
     let reuse = PrefixReuse::of(&counted, trace_reuse);
     reuse.print();
     close_report(args, samples, &counted, || {
@@ -227,10 +237,9 @@ pub(super) fn report(
             "total_input_tokens": input, "completed_inputs": inputs,
             "request_throughput": ok.len() as f64 / d, "total_token_throughput": input as f64 / d,
             "input_throughput": inputs as f64 / d, "embedding_dimension": dimension,
-            "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
-            "burstiness": args.burstiness.unwrap_or(1.0),
         });
-        e2el.add_to("e2el", &mut result);
+        add_traffic(args, &mut result);
+        selection.add_to(&measured, &mut result);
         reuse.add_to(&mut result);
         result
     })

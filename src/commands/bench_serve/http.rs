@@ -3,11 +3,18 @@
 //! certificates of `--cacert`), chunked transfer decoding and server-sent events. Everything
 //! a server sends is bounded (line, chunk and event sizes), so a broken or hostile server
 //! fails its requests instead of exhausting memory.
+//!
+//! The requests of a run go through a [`Pool`] of kept-alive connections, as vLLM's client
+//! sends them through one aiohttp session: a request takes an idle connection where there is
+//! one (a connection the server has closed is left), else opens one, and gives it back once its
+//! response has been read to its end. A request whose reused connection turns out closed before
+//! any byte of a response came back is sent again, once, on a fresh connection.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -31,6 +38,16 @@ const MAX_CACERT_BYTES: u64 = 1 << 20;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a read may wait once the connection is up (a long prefill sends nothing).
 const READ_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long an idle connection is kept for another request (aiohttp's `keepalive_timeout` in
+/// vLLM's client).
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the end of a streamed body may take to arrive after its `[DONE]` (the chunked
+/// body's last chunk) before the connection is dropped instead of kept.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(1);
+/// Most bytes read after a stream's `[DONE]` to reach the end of its body.
+const MAX_DRAIN_BYTES: usize = 64 << 10;
+/// Most trailer lines after a chunked body's last chunk.
+const MAX_TRAILER_LINES: usize = 64;
 
 /// Where the server listens, and how to speak to it.
 #[derive(Clone)]
@@ -172,6 +189,30 @@ impl Write for Connection {
             Self::Plain(s) => s.flush(),
             Self::Tls(s) => s.flush(),
         }
+    }
+}
+
+impl Connection {
+    /// The TCP stream under the connection.
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Self::Plain(s) => s,
+            Self::Tls(s) => &s.sock,
+        }
+    }
+
+    /// Whether an idle connection can carry another request: nothing has arrived on it since
+    /// its last response (no end of stream, no TLS alert, no stray byte) and it has no error.
+    fn is_open(&self) -> bool {
+        let s = self.tcp();
+        if s.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let idle = matches!(
+            s.peek(&mut [0u8; 1]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+        );
+        s.set_nonblocking(false).is_ok() && idle
     }
 }
 
@@ -437,49 +478,160 @@ impl StreamTimer {
     }
 }
 
-/// A response whose head has been read: its status and how its body is framed.
-pub(super) struct ResponseHead {
-    /// The body, after the head.
-    pub(super) reader: BufReader<Connection>,
-    /// The HTTP status (0 if the status line had none).
-    pub(super) status: u16,
-    /// The body is sent in chunks (`Transfer-Encoding: chunked`).
-    pub(super) chunked: bool,
-    /// The body's length, where the head gives one (`Content-Length`) and it is not chunked.
-    pub(super) length: Option<u64>,
-    /// When the request was sent: once the connection was up (its TLS handshake done), before
-    /// its first byte was written. A request's latencies count from here, as vLLM's client,
-    /// which reuses its connections, counts them from the request it sends on one.
-    pub(super) sent: Instant,
+/// The connections of a run to its target: the idle ones, kept alive for the next request
+/// (most recently used first), and a count of those opened.
+pub(super) struct Pool {
+    /// Where the requests go.
+    target: Target,
+    /// Connections whose last response was read to its end, and when it ended.
+    idle: Mutex<Vec<(Connection, Instant)>>,
+    /// Most idle connections kept (the threads sending requests: more are never idle at once).
+    max_idle: usize,
+    /// Connections opened so far.
+    opened: AtomicUsize,
 }
 
-/// POSTs `body` (JSON) to `path` on a fresh connection and reads the response's head.
-pub(super) fn post(
-    t: &Target,
-    path: &str,
-    key: Option<&str>,
-    body: &str,
-) -> anyhow::Result<ResponseHead> {
-    let mut stream = connect(t)?;
-    let sent = Instant::now();
-    // One write: over TLS each write is a record of its own.
-    let request = format!(
-        "POST {path} HTTP/1.1\r\nHost: {}\r\n{}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        t.host,
-        auth_line(key),
-        body.len()
-    );
-    stream.write_all(request.as_bytes())?;
-    stream.flush()?;
-    let mut reader = BufReader::new(stream);
+/// Why sending a request on a connection failed.
+enum SendError {
+    /// The connection was closed (or reset) before any byte of a response came back: the
+    /// server dropped it while it was idle, and a fresh connection may carry the request.
+    Closed(anyhow::Error),
+    /// Anything else: part of a response arrived, or it was not HTTP.
+    Failed(anyhow::Error),
+}
+
+impl Pool {
+    /// A pool for `target` keeping at most `max_idle` idle connections.
+    pub(super) fn new(target: Target, max_idle: usize) -> Pool {
+        Pool {
+            target,
+            idle: Mutex::new(Vec::new()),
+            max_idle: max_idle.max(1),
+            opened: AtomicUsize::new(0),
+        }
+    }
+
+    /// Connections opened so far.
+    #[cfg(test)]
+    fn opened(&self) -> usize {
+        self.opened.load(Ordering::Relaxed)
+    }
+
+    /// The most recently used idle connection still open, if any (those closed, or idle for
+    /// longer than [`KEEPALIVE_TIMEOUT`], are dropped).
+    fn take(&self) -> Option<Connection> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some((conn, since)) = idle.pop() {
+            if since.elapsed() < KEEPALIVE_TIMEOUT && conn.is_open() {
+                return Some(conn);
+            }
+        }
+        None
+    }
+
+    /// Keeps `conn` for another request, unless the pool is full.
+    fn put(&self, conn: Connection) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < self.max_idle {
+            idle.push((conn, Instant::now()));
+        }
+    }
+
+    /// A fresh connection to the target.
+    fn open(&self) -> anyhow::Result<Connection> {
+        let conn = connect(&self.target)?;
+        self.opened.fetch_add(1, Ordering::Relaxed);
+        Ok(conn)
+    }
+
+    /// POSTs `body` (JSON) to `path` and reads the response's head: on an idle connection
+    /// where there is one, else on a fresh one. Where the idle connection turns out closed
+    /// before any byte of a response came back (the server closed it as the request went
+    /// out), the request is sent again on a fresh connection, once; a connection that fails
+    /// after part of a response fails the request. The request counts as sent (the
+    /// [`ResponseHead::sent`] its latencies count from) when it is issued, before a
+    /// connection is taken or opened, as vLLM's client starts its clock before the session
+    /// finds it a connection.
+    pub(super) fn post(
+        &self,
+        path: &str,
+        key: Option<&str>,
+        body: &str,
+    ) -> anyhow::Result<ResponseHead> {
+        let sent = Instant::now();
+        // One write: over TLS each write is a record of its own.
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: {}\r\n{}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            self.target.host,
+            auth_line(key),
+            body.len()
+        );
+        if let Some(conn) = self.take() {
+            match send(conn, &request, sent) {
+                Ok(head) => return Ok(head),
+                Err(SendError::Failed(e)) => return Err(e),
+                // Sent again below, on a fresh connection.
+                Err(SendError::Closed(_)) => {}
+            }
+        }
+        match send(self.open()?, &request, sent) {
+            Ok(head) => Ok(head),
+            Err(SendError::Closed(e) | SendError::Failed(e)) => Err(e),
+        }
+    }
+}
+
+/// Sends `request` on `conn` and reads the response's head.
+fn send(mut conn: Connection, request: &str, sent: Instant) -> Result<ResponseHead, SendError> {
+    let closed = |e: std::io::Error| {
+        SendError::Closed(anyhow::Error::new(e).context("the connection was closed"))
+    };
+    conn.write_all(request.as_bytes()).map_err(closed)?;
+    conn.flush().map_err(closed)?;
+    let mut reader = BufReader::new(conn);
     let mut line = String::new();
-    read_line_bounded(&mut reader, &mut line)?;
-    let status: u16 = line
+    match read_line_bounded(&mut reader, &mut line) {
+        Ok(0) => {
+            return Err(SendError::Closed(anyhow::anyhow!(
+                "the server closed the connection without a response"
+            )))
+        }
+        Ok(_) => {}
+        Err(e) => {
+            let reset = e.downcast_ref::<std::io::Error>().is_some_and(|e| {
+                matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::BrokenPipe
+                        | std::io::ErrorKind::UnexpectedEof
+                )
+            });
+            return Err(if reset && line.is_empty() {
+                SendError::Closed(e)
+            } else {
+                SendError::Failed(e)
+            });
+        }
+    }
+    read_head(reader, &line, sent).map_err(SendError::Failed)
+}
+
+/// The rest of a response's head after its status line `status_line`.
+fn read_head(
+    mut reader: BufReader<Connection>,
+    status_line: &str,
+    sent: Instant,
+) -> anyhow::Result<ResponseHead> {
+    let status: u16 = status_line
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
+    // HTTP/1.1 keeps the connection unless the server says otherwise; HTTP/1.0 closes it.
+    let mut keep_alive = status_line.starts_with("HTTP/1.1 ");
     let (mut chunked, mut length) = (false, None);
+    let mut line = String::new();
     loop {
         line.clear();
         if read_line_bounded(&mut reader, &mut line)? == 0 {
@@ -495,26 +647,115 @@ pub(super) fn post(
         if let Some(n) = l.strip_prefix("content-length:") {
             length = Some(n.trim().parse().context("a bad Content-Length")?);
         }
+        if let Some(v) = l.strip_prefix("connection:") {
+            if v.split(',').any(|t| t.trim() == "close") {
+                keep_alive = false;
+            }
+        }
     }
+    let length = length.filter(|_| !chunked);
     Ok(ResponseHead {
         reader,
         status,
         chunked,
-        length: length.filter(|_| !chunked),
+        // A body that runs to the end of the connection leaves nothing to keep.
+        keep_alive: keep_alive && (chunked || length.is_some()),
+        length,
+        ended: length == Some(0),
         sent,
     })
 }
 
+/// A response whose head has been read: its status and how its body is framed.
+pub(super) struct ResponseHead {
+    /// The body, after the head.
+    reader: BufReader<Connection>,
+    /// The HTTP status (0 if the status line had none).
+    pub(super) status: u16,
+    /// The body is sent in chunks (`Transfer-Encoding: chunked`).
+    chunked: bool,
+    /// The body's bytes not yet read, where the head gives its length (`Content-Length`) and
+    /// it is not chunked.
+    length: Option<u64>,
+    /// The connection may carry another request once the body has been read to its end.
+    keep_alive: bool,
+    /// The body has been read to its end, as its framing says.
+    ended: bool,
+    /// When the request was issued (before a connection was taken or opened for it): a
+    /// request's latencies count from here, as vLLM's client counts them.
+    pub(super) sent: Instant,
+}
+
 impl ResponseHead {
+    /// Reads the next piece of the body into `buf` (replacing what it held): a chunk, up to the
+    /// length left, or what arrives; `false` once the body has ended (a chunked body's
+    /// trailers read, so that the connection is at its next response).
+    fn next_piece(&mut self, buf: &mut Vec<u8>) -> anyhow::Result<bool> {
+        buf.clear();
+        if self.ended {
+            return Ok(false);
+        }
+        if self.chunked {
+            let mut line = String::new();
+            anyhow::ensure!(
+                read_line_bounded(&mut self.reader, &mut line)? > 0,
+                "the response ended inside its chunked body"
+            );
+            let size = parse_chunk_size(&line)?;
+            if size == 0 {
+                // The trailer section, up to its blank line.
+                for _ in 0..MAX_TRAILER_LINES {
+                    line.clear();
+                    if read_line_bounded(&mut self.reader, &mut line)? == 0
+                        || line.trim_end().is_empty()
+                    {
+                        self.ended = true;
+                        return Ok(false);
+                    }
+                }
+                anyhow::bail!("more than {MAX_TRAILER_LINES} trailer lines after the body");
+            }
+            buf.resize(size, 0);
+            self.reader.read_exact(buf)?;
+            line.clear();
+            read_line_bounded(&mut self.reader, &mut line)?;
+            return Ok(true);
+        }
+        let want = self.length.map_or(8192, |n| n.min(8192) as usize);
+        buf.resize(want, 0);
+        let n = self.reader.read(buf)?;
+        buf.truncate(n);
+        if let Some(left) = &mut self.length {
+            anyhow::ensure!(n > 0, "the response ended before its Content-Length");
+            *left -= n as u64;
+            self.ended = *left == 0;
+        } else if n == 0 {
+            self.ended = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// The body, up to `max` bytes: whether it all came, and what came.
+    fn read_up_to(&mut self, max: usize) -> anyhow::Result<(bool, Vec<u8>)> {
+        let mut body = Vec::new();
+        let mut piece = Vec::new();
+        while self.next_piece(&mut piece)? {
+            if piece.len() > max - body.len() {
+                return Ok((false, body));
+            }
+            body.extend_from_slice(&piece);
+        }
+        Ok((true, body))
+    }
+
     /// The error of a response other than 200: its status and the start of its body (the
     /// server's reason).
     pub(super) fn error(&mut self) -> String {
-        let mut rest = String::new();
-        let _ = self
-            .reader
-            .by_ref()
-            .take(MAX_ERROR_BODY_BYTES)
-            .read_to_string(&mut rest);
+        let rest = match self.read_up_to(MAX_ERROR_BODY_BYTES as usize) {
+            Ok((_, body)) => String::from_utf8_lossy(&body).into_owned(),
+            Err(e) => format!("(its body could not be read: {e:#})"),
+        };
         format!(
             "HTTP {}: {}",
             self.status,
@@ -524,43 +765,51 @@ impl ResponseHead {
 
     /// The whole body of a response that is not streamed, of at most `max` bytes (a longer
     /// one is an error): chunks joined, its `Content-Length`, or else everything up to the
-    /// end of the connection (every request is sent with `Connection: close`).
+    /// end of the connection.
     pub(super) fn body(&mut self, max: usize) -> anyhow::Result<Vec<u8>> {
-        let too_long = || format!("the response's body is larger than {} MiB", max >> 20);
-        let mut body = Vec::new();
         if let Some(n) = self.length {
-            anyhow::ensure!(n <= max as u64, too_long());
-            body.resize(n as usize, 0);
-            self.reader
-                .read_exact(&mut body)
-                .context("the response ended before its Content-Length")?;
-            return Ok(body);
-        }
-        if !self.chunked {
-            self.reader
-                .by_ref()
-                .take(max as u64 + 1)
-                .read_to_end(&mut body)?;
-            anyhow::ensure!(body.len() <= max, too_long());
-            return Ok(body);
-        }
-        let mut line = String::new();
-        loop {
-            line.clear();
             anyhow::ensure!(
-                read_line_bounded(&mut self.reader, &mut line)? > 0,
-                "the response ended inside its chunked body"
+                n <= max as u64,
+                "the response's body is larger than {} MiB",
+                max >> 20
             );
-            let size = parse_chunk_size(&line)?;
-            if size == 0 {
-                return Ok(body);
-            }
-            anyhow::ensure!(size <= max - body.len(), too_long());
-            let start = body.len();
-            body.resize(start + size, 0);
-            self.reader.read_exact(&mut body[start..])?;
-            line.clear();
-            read_line_bounded(&mut self.reader, &mut line)?;
+        }
+        match self.read_up_to(max)? {
+            (true, body) => Ok(body),
+            (false, _) => anyhow::bail!("the response's body is larger than {} MiB", max >> 20),
+        }
+    }
+
+    /// Reads what is left of a framed body whose content is no longer needed (after a
+    /// stream's `[DONE]`), for at most [`DRAIN_TIMEOUT`] and [`MAX_DRAIN_BYTES`], so that its
+    /// connection can carry another request; a body that does not end by then leaves the
+    /// connection to be dropped.
+    fn drain(&mut self) {
+        if self.ended || !self.keep_alive {
+            return;
+        }
+        let tcp = self.reader.get_ref().tcp();
+        if tcp.set_read_timeout(Some(DRAIN_TIMEOUT)).is_err() {
+            self.keep_alive = false;
+            return;
+        }
+        let drained = self.read_up_to(MAX_DRAIN_BYTES);
+        let restored = self
+            .reader
+            .get_ref()
+            .tcp()
+            .set_read_timeout(Some(READ_TIMEOUT))
+            .is_ok();
+        if !(restored && matches!(drained, Ok((true, _)))) {
+            self.keep_alive = false;
+        }
+    }
+
+    /// Gives the connection back to `pool` where it can carry another request: its response
+    /// was read to its end (and nothing more arrived), and neither side asked to close it.
+    pub(super) fn release(self, pool: &Pool) {
+        if self.keep_alive && self.ended && self.reader.buffer().is_empty() {
+            pool.put(self.reader.into_inner());
         }
     }
 }
@@ -572,13 +821,13 @@ impl ResponseHead {
 /// one whose server reported an error after some tokens, a success; this one counts them
 /// failed, so a server's failures do not add to its throughput.
 pub(super) fn one_request(
-    t: &Target,
+    pool: &Pool,
     path: &str,
     key: Option<&str>,
     body: &str,
     input: usize,
 ) -> anyhow::Result<Sample> {
-    let mut head = post(t, path, key, body)?;
+    let mut head = pool.post(path, key, body)?;
     let t0 = head.sent;
     let mut sample = Sample {
         prompt_tokens: input,
@@ -588,39 +837,16 @@ pub(super) fn one_request(
     };
     if head.status != 200 {
         sample.error = head.error();
+        head.release(pool);
         return Ok(sample);
     }
-    let (mut reader, chunked) = (head.reader, head.chunked);
-    let mut line = String::new();
     let mut events = EventStream::default();
     let mut timer = StreamTimer::default();
     let mut done = false;
     // The first error event, or event that is not JSON.
     let mut failure: Option<String> = None;
     let mut buf = Vec::new();
-    while !done {
-        buf.clear();
-        if chunked {
-            line.clear();
-            if read_line_bounded(&mut reader, &mut line)? == 0 {
-                break;
-            }
-            let size = parse_chunk_size(&line)?;
-            if size == 0 {
-                break;
-            }
-            buf.resize(size, 0);
-            reader.read_exact(&mut buf)?;
-            line.clear();
-            read_line_bounded(&mut reader, &mut line)?;
-        } else {
-            buf.resize(8192, 0);
-            let n = reader.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            buf.truncate(n);
-        }
+    while !done && head.next_piece(&mut buf)? {
         let now = Instant::now();
         events.push(&buf);
         while let Some(data) = events.next_data()? {
@@ -642,6 +868,10 @@ pub(super) fn one_request(
         }
     }
     timer.finish(t0, Instant::now(), &mut sample);
+    // The end of the body after `[DONE]`, so that the connection can carry the next request
+    // (the figures are taken already).
+    head.drain();
+    head.release(pool);
     let any = timer.chunks > 0;
     sample.ok = done && any && failure.is_none();
     if let Some(failure) = failure {
@@ -820,6 +1050,11 @@ mod tests {
         parse_url(&format!("http://127.0.0.1:{port}")).unwrap()
     }
 
+    /// A pool of connections to a loopback port.
+    fn pool(port: u16) -> Pool {
+        Pool::new(local(port), 4)
+    }
+
     /// Answers the first connection on a loopback port with `response` once the request
     /// (whose body is `{}`) has arrived.
     fn serve_once(response: String) -> u16 {
@@ -873,7 +1108,7 @@ mod tests {
             ),
         ]);
         let sent = Instant::now();
-        let sample = one_request(&local(port), "/v1/completions", None, "{}", 3).unwrap();
+        let sample = one_request(&pool(port), "/v1/completions", None, "{}", 3).unwrap();
         assert!(sample.ok, "{}", sample.error);
         assert!(sent.elapsed() >= Duration::from_millis(200));
         assert_eq!(sample.latency, sample.ttft);
@@ -890,7 +1125,7 @@ mod tests {
         }
         response.push_str("data: [DONE]\n\n");
         let port = serve_once(response);
-        let sample = one_request(&local(port), "/v1/completions", None, "{}", 3).unwrap();
+        let sample = one_request(&pool(port), "/v1/completions", None, "{}", 3).unwrap();
         assert!(sample.ok, "{}", sample.error);
         assert_eq!((sample.output_tokens, sample.usage_missing), (4, true));
         // Every chunk is timed, the empty ones too.
@@ -919,7 +1154,7 @@ mod tests {
                 response.push_str(&format!("data: {event}\n\n"));
             }
             let sample = one_request(
-                &local(serve_once(response)),
+                &pool(serve_once(response)),
                 "/v1/completions",
                 None,
                 "{}",
@@ -940,7 +1175,7 @@ mod tests {
     fn whole_bodies_read_chunked_or_to_the_end_up_to_a_cap() {
         let read = |response: &str, max: usize| {
             let port = serve_once(response.to_string());
-            let mut head = post(&local(port), "/v1/embeddings", None, "{}").unwrap();
+            let mut head = pool(port).post("/v1/embeddings", None, "{}").unwrap();
             assert_eq!(head.status, 200);
             head.body(max)
         };
@@ -958,7 +1193,7 @@ mod tests {
         assert!(read(cut_short, 100).is_err());
         let bad = "HTTP/1.1 200 OK\r\ncontent-length: many\r\n\r\n{\"a\":1}";
         let port = serve_once(bad.to_string());
-        assert!(post(&local(port), "/v1/embeddings", None, "{}").is_err());
+        assert!(pool(port).post("/v1/embeddings", None, "{}").is_err());
         let to_close = "HTTP/1.1 200 OK\r\n\r\n{\"a\":1}";
         assert_eq!(read(to_close, 7).unwrap(), b"{\"a\":1}");
         assert!(read(to_close, 6).is_err());
@@ -967,7 +1202,7 @@ mod tests {
         assert!(read(cut, 100).is_err());
         // A refusal keeps its status and reason.
         let port = serve_once("HTTP/1.1 400 Bad Request\r\n\r\n{\"error\":\"too long\"}".into());
-        let mut head = post(&local(port), "/v1/embeddings", None, "{}").unwrap();
+        let mut head = pool(port).post("/v1/embeddings", None, "{}").unwrap();
         assert_eq!(head.error(), "HTTP 400: {\"error\":\"too long\"}");
     }
 
@@ -981,5 +1216,224 @@ mod tests {
         }
         events.push(b"x");
         assert!(events.next_data().is_err());
+    }
+
+    /// What a test server does with one request of a connection.
+    enum Step {
+        /// Answers it, and waits for the next request.
+        Answer(String),
+        /// Sends this (a whole answer or a part of one) and closes the connection.
+        Cut(String),
+        /// Closes the connection without answering.
+        Drop,
+    }
+
+    /// Reads one request (its head, and its body of `Content-Length` bytes); false at the end
+    /// of the connection.
+    fn read_request(reader: &mut BufReader<TcpStream>) -> bool {
+        let mut length = 0;
+        loop {
+            let mut line = String::new();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => return false,
+                Ok(_) => {}
+            }
+            let l = line.trim_end().to_ascii_lowercase();
+            if l.is_empty() {
+                break;
+            }
+            if let Some(n) = l.strip_prefix("content-length:") {
+                length = n.trim().parse().unwrap();
+            }
+        }
+        let mut body = vec![0u8; length];
+        reader.read_exact(&mut body).is_ok()
+    }
+
+    /// A server on a loopback port that runs the steps of its `i`th connection on it, one a
+    /// request, and closes it after the last; returns its port and the count of connections
+    /// it accepted.
+    fn keep_alive_server(connections: Vec<Vec<Step>>) -> (u16, Arc<AtomicUsize>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        std::thread::spawn(move || {
+            for steps in connections {
+                let Ok((stream, _)) = listener.accept() else {
+                    return;
+                };
+                count.fetch_add(1, Ordering::SeqCst);
+                std::thread::spawn(move || {
+                    let mut out = stream.try_clone().unwrap();
+                    let mut reader = BufReader::new(stream);
+                    for step in steps {
+                        if !read_request(&mut reader) {
+                            return;
+                        }
+                        match step {
+                            Step::Answer(a) => {
+                                if out.write_all(a.as_bytes()).is_err() {
+                                    return;
+                                }
+                            }
+                            Step::Cut(a) => {
+                                let _ = out.write_all(a.as_bytes());
+                                return;
+                            }
+                            Step::Drop => return,
+                        }
+                    }
+                });
+            }
+        });
+        (port, accepted)
+    }
+
+    /// A streamed completion of one chunk, its usage and `[DONE]`, in HTTP chunks.
+    fn chunked_stream() -> String {
+        let usage = serde_json::json!({"choices": [],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 1}});
+        let mut response = String::from(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\
+             Transfer-Encoding: chunked\r\n\r\n",
+        );
+        for data in [
+            text_chunk("a").to_string(),
+            usage.to_string(),
+            "[DONE]".into(),
+        ] {
+            let event = format!("data: {data}\n\n");
+            response.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
+        }
+        response.push_str("0\r\n\r\n");
+        response
+    }
+
+    /// A completion request, which must succeed.
+    fn completes(pool: &Pool) {
+        let sample = one_request(pool, "/v1/completions", None, "{}", 3).unwrap();
+        assert!(sample.ok, "{}", sample.error);
+        assert_eq!((sample.prompt_tokens, sample.output_tokens), (4, 1));
+    }
+
+    /// Requests one after another share one kept-alive connection, whatever their answers'
+    /// framing: a stream in chunks (read past `[DONE]` to its last chunk), a refusal with a
+    /// length, a whole body with a length and one in chunks with a trailer.
+    #[test]
+    fn requests_reuse_a_kept_alive_connection() {
+        let refusal = "HTTP/1.1 429 Too Many Requests\r\nContent-Length: 11\r\n\r\nslow down!!";
+        let sized = "HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n{\"a\":1}";
+        let chunked = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\
+                       4\r\n{\"a\"\r\n3\r\n:1}\r\n0\r\nx-trailer: 1\r\n\r\n";
+        let steps = vec![
+            Step::Answer(chunked_stream()),
+            Step::Answer(refusal.into()),
+            Step::Answer(chunked_stream()),
+            Step::Answer(sized.into()),
+            Step::Answer(chunked.into()),
+            Step::Answer(chunked_stream()),
+        ];
+        let (port, accepted) = keep_alive_server(vec![steps]);
+        let pool = pool(port);
+        completes(&pool);
+        let refused = one_request(&pool, "/v1/completions", None, "{}", 3).unwrap();
+        assert_eq!(refused.error, "HTTP 429: slow down!!");
+        completes(&pool);
+        for _ in 0..2 {
+            let mut head = pool.post("/v1/embeddings", None, "{}").unwrap();
+            assert_eq!(head.body(100).unwrap(), b"{\"a\":1}");
+            head.release(&pool);
+        }
+        completes(&pool);
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        assert_eq!(pool.opened(), 1);
+    }
+
+    /// A connection whose answer runs to its end (no length, no chunks), or that the server
+    /// says it closes, is not kept.
+    #[test]
+    fn a_connection_the_server_ends_is_not_kept() {
+        let to_close = "HTTP/1.1 200 OK\r\n\r\n{\"a\":1}";
+        let closing = "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 7\r\n\r\n{\"a\":1}";
+        let (port, accepted) = keep_alive_server(vec![
+            vec![Step::Cut(to_close.into())],
+            vec![Step::Answer(closing.into())],
+            vec![Step::Answer(chunked_stream())],
+        ]);
+        let pool = pool(port);
+        for _ in 0..2 {
+            let mut head = pool.post("/v1/embeddings", None, "{}").unwrap();
+            assert_eq!(head.body(100).unwrap(), b"{\"a\":1}");
+            head.release(&pool);
+        }
+        completes(&pool);
+        assert_eq!((accepted.load(Ordering::SeqCst), pool.opened()), (3, 3));
+    }
+
+    /// A kept connection the server closed while it was idle is left for a fresh one, and a
+    /// request the server drops unanswered on a kept connection (it closed the connection as
+    /// the request went out) is sent again, once, on a fresh one: both succeed.
+    #[test]
+    fn a_closed_kept_connection_is_replaced_and_its_request_sent_again() {
+        let (port, accepted) = keep_alive_server(vec![
+            // Answers, then closes the idle connection.
+            vec![Step::Cut(chunked_stream())],
+            // Answers, then drops the next request unanswered.
+            vec![Step::Answer(chunked_stream()), Step::Drop],
+            vec![Step::Answer(chunked_stream())],
+        ]);
+        let pool = pool(port);
+        completes(&pool);
+        // Let the close arrive: the idle connection is seen closed and left.
+        std::thread::sleep(Duration::from_millis(50));
+        completes(&pool);
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        // Sent on the kept connection, dropped, sent again on a third.
+        completes(&pool);
+        assert_eq!((accepted.load(Ordering::SeqCst), pool.opened()), (3, 3));
+    }
+
+    /// A request whose answer has begun when its connection breaks fails, without being sent
+    /// again, as does one whose fresh connection closes unanswered.
+    #[test]
+    fn a_broken_answer_fails_its_request_without_sending_it_again() {
+        // Cut after the first event's chunk: a head, a token, no [DONE].
+        let event = format!("data: {}\n\n", text_chunk("a"));
+        let cut = format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\
+             Transfer-Encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
+            event.len()
+        );
+        let (port, accepted) = keep_alive_server(vec![
+            vec![Step::Answer(chunked_stream()), Step::Cut(cut)],
+            vec![Step::Drop],
+        ]);
+        let pool = pool(port);
+        completes(&pool);
+        let broken = one_request(&pool, "/v1/completions", None, "{}", 3);
+        let error = match broken {
+            Ok(sample) => {
+                assert!(!sample.ok);
+                sample.error
+            }
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(
+            error.contains("ended inside its chunked body") || error.contains("[DONE]"),
+            "{error}"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        // A fresh connection closed unanswered: an error, and no third connection.
+        let e = pool
+            .post("/v1/completions", None, "{}")
+            .err()
+            .expect("no answer");
+        assert!(
+            format!("{e:#}").contains("closed the connection without a response"),
+            "{e:#}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!((accepted.load(Ordering::SeqCst), pool.opened()), (2, 2));
     }
 }
