@@ -421,22 +421,11 @@ fn config_check_and_serve_refuse_a_fifo_at_once() {
     let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
     assert!(made.success(), "mkfifo failed");
     for args in [&["config", "check"][..], &["serve", "--config"][..]] {
-        let mut child = switchyard()
-            .args(args)
-            .arg(&fifo)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("run switchyard");
-        let status = common::wait_exit(
-            &mut child,
+        let err = common::fails_within(
+            switchyard().args(args).arg(&fifo),
             std::time::Duration::from_secs(20),
             &format!("switchyard {} on a FIFO", args.join(" ")),
         );
-        let mut err = String::new();
-        std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err)
-            .expect("read stderr");
-        assert!(!status.success(), "{err}");
         assert!(err.contains("not a regular file"), "{err}");
     }
 }
@@ -507,23 +496,11 @@ fn prompt_and_schema_files_are_read_only_to_their_bound() {
         ],
     ];
     for args in runs {
-        let mut child = switchyard()
-            .args(args)
-            .arg("--model")
-            .arg(&model)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("run switchyard");
-        let status = common::wait_exit(
-            &mut child,
+        let err = common::fails_within(
+            switchyard().args(args).arg("--model").arg(&model),
             std::time::Duration::from_secs(60),
             &format!("switchyard {} on /dev/zero", args.join(" ")),
         );
-        let mut err = String::new();
-        std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err)
-            .expect("read stderr");
-        assert!(!status.success(), "{err}");
         assert!(
             err.contains("/dev/zero is larger than") && err.contains("bytes"),
             "{}: {err}",

@@ -617,3 +617,19 @@ pub fn fails(cmd: &mut Command) -> String {
     assert!(!out.status.success(), "{cmd:?} should have failed");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
+
+/// Runs `cmd`, which must fail within `limit` (killed and the test failed past it, as
+/// [`wait_exit`] does; `what` names it then), and returns its stderr.
+pub fn fails_within(cmd: &mut Command, limit: Duration, what: &str) -> String {
+    let mut child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run switchyard");
+    let status = wait_exit(&mut child, limit, what);
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err)
+        .expect("read stderr");
+    assert!(!status.success(), "{what} should have failed: {err}");
+    err
+}
