@@ -482,16 +482,17 @@ fn check_arrival_span(args: &ServeBenchArgs, span_s: f64) -> anyhow::Result<()> 
 /// Reads a text file of at most `max` bytes; a larger one is an error, not a truncation.
 pub(super) fn read_bounded(path: &Path, max: u64) -> anyhow::Result<String> {
     let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut text = String::new();
+    let mut bytes = Vec::new();
     file.take(max.saturating_add(1))
-        .read_to_string(&mut text)
+        .read_to_end(&mut bytes)
         .with_context(|| format!("reading {}", path.display()))?;
+    // The size first: the bound may fall inside a character of several bytes.
     anyhow::ensure!(
-        text.len() as u64 <= max,
+        bytes.len() as u64 <= max,
         "{} is larger than {max} bytes",
         path.display()
     );
-    Ok(text)
+    String::from_utf8(bytes).with_context(|| format!("reading {}: not UTF-8 text", path.display()))
 }
 
 /// The run's prompts: their lengths, outputs, arrival offsets (if the dataset has them) and
@@ -2236,6 +2237,16 @@ mod tests {
         std::fs::write(&path, "12345").unwrap();
         assert_eq!(read_bounded(&path, 5).unwrap(), "12345");
         assert!(read_bounded(&path, 4).is_err());
+        // A file over the bound is refused as such, also where the bound falls inside a
+        // character of several bytes (it used to read as "not valid UTF-8").
+        std::fs::write(&path, "aaa\u{20ac}").unwrap();
+        let e = format!("{:#}", read_bounded(&path, 4).unwrap_err());
+        assert!(e.ends_with("d.csv is larger than 4 bytes"), "{e}");
+        assert_eq!(read_bounded(&path, 6).unwrap(), "aaa\u{20ac}");
+        // Within the bound, text that is not UTF-8 says so.
+        std::fs::write(&path, b"a\xffb").unwrap();
+        let e = format!("{:#}", read_bounded(&path, 6).unwrap_err());
+        assert!(e.contains("UTF-8"), "{e}");
     }
 
     /// `bench serve` arguments as clap parses them from `extra`.

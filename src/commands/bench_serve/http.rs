@@ -157,9 +157,53 @@ fn client_config(path: &Path) -> anyhow::Result<rustls::ClientConfig> {
 /// A connection to the server: plain TCP, or TLS over it.
 pub(super) enum Connection {
     /// `http://`.
-    Plain(TcpStream),
+    Plain(Tcp),
     /// `https://`, its handshake done.
-    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, Tcp>>),
+}
+
+/// The TCP stream of a [`Connection`], whose reads end by a deadline while one is set: each
+/// read waits at most what is left of it, so that bytes trickling in cannot stretch a bounded
+/// read (the drain after a stream's `[DONE]`) past it. Without one, each read waits at most
+/// the stream's own timeout ([`READ_TIMEOUT`]).
+pub(super) struct Tcp {
+    stream: TcpStream,
+    deadline: Option<Instant>,
+}
+
+impl Tcp {
+    fn new(stream: TcpStream) -> Tcp {
+        Tcp {
+            stream,
+            deadline: None,
+        }
+    }
+}
+
+impl Read for Tcp {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some(deadline) = self.deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the read's deadline passed",
+                ));
+            }
+            self.stream.set_read_timeout(Some(left))?;
+        }
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Tcp {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
+    }
 }
 
 impl Read for Connection {
@@ -196,9 +240,23 @@ impl Connection {
     /// The TCP stream under the connection.
     fn tcp(&self) -> &TcpStream {
         match self {
-            Self::Plain(s) => s,
-            Self::Tls(s) => &s.sock,
+            Self::Plain(s) => &s.stream,
+            Self::Tls(s) => &s.sock.stream,
         }
+    }
+
+    /// Sets the deadline of the connection's reads (see [`Tcp`]), or with `None` lifts it:
+    /// each read then waits at most [`READ_TIMEOUT`] again.
+    fn set_deadline(&mut self, deadline: Option<Instant>) -> std::io::Result<()> {
+        let tcp = match self {
+            Self::Plain(s) => s,
+            Self::Tls(s) => &mut s.sock,
+        };
+        tcp.deadline = deadline;
+        if deadline.is_none() {
+            tcp.stream.set_read_timeout(Some(READ_TIMEOUT))?;
+        }
+        Ok(())
     }
 
     /// Whether an idle connection can carry another request: nothing has arrived on it since
@@ -226,7 +284,7 @@ pub(super) fn connect(t: &Target) -> anyhow::Result<Connection> {
     let Some(config) = &t.tls else {
         anyhow::ensure!(!t.https, "internal: https:// without a TLS configuration");
         s.set_read_timeout(Some(READ_TIMEOUT))?;
-        return Ok(Connection::Plain(s));
+        return Ok(Connection::Plain(Tcp::new(s)));
     };
     // An IPv6 address is written in brackets in a URL, not in a certificate.
     let name = host.trim_start_matches('[').trim_end_matches(']');
@@ -242,7 +300,10 @@ pub(super) fn connect(t: &Target) -> anyhow::Result<Connection> {
     }
     s.set_read_timeout(Some(READ_TIMEOUT))?;
     s.set_write_timeout(None)?;
-    Ok(Connection::Tls(Box::new(rustls::StreamOwned::new(conn, s))))
+    Ok(Connection::Tls(Box::new(rustls::StreamOwned::new(
+        conn,
+        Tcp::new(s),
+    ))))
 }
 
 /// Why the TLS handshake with `host:port` failed, with what to check.
@@ -653,6 +714,10 @@ fn read_head(
             }
         }
     }
+    // A 204 or 304 answer has no body, whatever its head says (RFC 9112, 6.3).
+    if matches!(status, 204 | 304) {
+        (chunked, length) = (false, Some(0));
+    }
     let length = length.filter(|_| !chunked);
     Ok(ResponseHead {
         reader,
@@ -781,26 +846,18 @@ impl ResponseHead {
     }
 
     /// Reads what is left of a framed body whose content is no longer needed (after a
-    /// stream's `[DONE]`), for at most [`DRAIN_TIMEOUT`] and [`MAX_DRAIN_BYTES`], so that its
-    /// connection can carry another request; a body that does not end by then leaves the
-    /// connection to be dropped.
+    /// stream's `[DONE]`), for at most [`DRAIN_TIMEOUT`] in all and [`MAX_DRAIN_BYTES`], so
+    /// that its connection can carry another request; a body that does not end by then leaves
+    /// the connection to be dropped.
     fn drain(&mut self) {
         if self.ended || !self.keep_alive {
             return;
         }
-        let tcp = self.reader.get_ref().tcp();
-        if tcp.set_read_timeout(Some(DRAIN_TIMEOUT)).is_err() {
-            self.keep_alive = false;
-            return;
-        }
-        let drained = self.read_up_to(MAX_DRAIN_BYTES);
-        let restored = self
-            .reader
-            .get_ref()
-            .tcp()
-            .set_read_timeout(Some(READ_TIMEOUT))
-            .is_ok();
-        if !(restored && matches!(drained, Ok((true, _)))) {
+        let deadline = Instant::now() + DRAIN_TIMEOUT;
+        let set = self.reader.get_mut().set_deadline(Some(deadline)).is_ok();
+        let drained = set && matches!(self.read_up_to(MAX_DRAIN_BYTES), Ok((true, _)));
+        let lifted = self.reader.get_mut().set_deadline(None).is_ok();
+        if !(drained && lifted) {
             self.keep_alive = false;
         }
     }
@@ -1435,5 +1492,66 @@ mod tests {
         );
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!((accepted.load(Ordering::SeqCst), pool.opened()), (2, 2));
+    }
+
+    /// A stream whose body goes on after `[DONE]` (a comment every 200 ms, never its last
+    /// chunk) is given up [`DRAIN_TIMEOUT`] after `[DONE]` in all, not once a second passes
+    /// without a byte: the request succeeds at once and its connection is not kept. It used
+    /// to be read for as long as the bytes kept coming (up to 64 KiB of them).
+    #[test]
+    fn the_drain_after_done_ends_by_its_deadline() {
+        let chunk = |text: &str| format!("{:x}\r\n{text}\r\n", text.len());
+        let mut head = String::from(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\
+             Transfer-Encoding: chunked\r\n\r\n",
+        );
+        head.push_str(&chunk(&format!("data: {}\n\n", text_chunk("a"))));
+        head.push_str(&chunk("data: [DONE]\n\n"));
+        let mut parts = vec![(Duration::ZERO, head)];
+        parts.extend((0..25).map(|_| (Duration::from_millis(200), chunk(": ping\n\n"))));
+        let pool = pool(serve_in_parts(parts));
+        let t0 = Instant::now();
+        let sample = one_request(&pool, "/v1/completions", None, "{}", 3).unwrap();
+        let took = t0.elapsed();
+        assert!(sample.ok, "{}", sample.error);
+        assert!(
+            took < DRAIN_TIMEOUT + Duration::from_millis(1500),
+            "{took:?}"
+        );
+        assert!(
+            pool.take().is_none(),
+            "a connection inside its body was kept"
+        );
+    }
+
+    /// A 204 or 304 answer has no body whatever its head says (RFC 9112, 6.3): it ends at its
+    /// head, and its connection carries the next request. It used to be read up to the end of
+    /// the connection, which a server keeping the connection never sends: the request hung
+    /// for [`READ_TIMEOUT`].
+    #[test]
+    fn an_answer_without_a_body_ends_at_its_head() {
+        let (port, accepted) = keep_alive_server(vec![vec![
+            Step::Answer("HTTP/1.1 204 No Content\r\n\r\n".into()),
+            Step::Answer("HTTP/1.1 304 Not Modified\r\nContent-Length: 7\r\n\r\n".into()),
+            Step::Answer(chunked_stream()),
+        ]]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let pool = pool(port);
+            let errors: Vec<String> = (0..2)
+                .map(|_| {
+                    one_request(&pool, "/v1/completions", None, "{}", 3)
+                        .unwrap()
+                        .error
+                })
+                .collect();
+            completes(&pool);
+            let _ = tx.send((errors, pool.opened()));
+        });
+        let (errors, opened) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the requests ended within 10 s");
+        assert_eq!(errors, ["HTTP 204: ", "HTTP 304: "]);
+        assert_eq!((accepted.load(Ordering::SeqCst), opened), (1, 1));
     }
 }
