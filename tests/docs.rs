@@ -317,19 +317,32 @@ fn with_key(root: &serde_yaml::Value, key: &str) -> serde_yaml::Value {
     root
 }
 
+/// Whether the server's configuration `base`, with `key` set (to null), is refused for an
+/// unknown field.
+fn server_calls_unknown(base: &serde_yaml::Value, key: &str) -> bool {
+    let text = serde_yaml::to_string(&with_key(base, key)).expect("YAML");
+    switchyard_config::Config::from_yaml_str(&text, "probe")
+        .is_err_and(|e| e.to_string().contains("unknown field"))
+}
+
+/// Whether the simulation spec `base`, with `key` set (to null), is refused for an unknown
+/// field.
+fn spec_calls_unknown(base: &serde_yaml::Value, key: &str) -> bool {
+    let text = serde_yaml::to_string(&with_key(base, key)).expect("YAML");
+    switchyard_simulator::SimulationSpec::from_yaml_str(&text, Path::new("probe"))
+        .is_err_and(|e| e.to_string().contains("unknown field"))
+}
+
 /// Every configuration key the documents name is one the server's configuration or a
 /// simulation spec reads: set (to null) in a shipped example, it is refused for its value or
 /// accepted, never as an unknown field.
 #[test]
 fn every_documented_config_key_is_read() {
-    use switchyard_config::Config;
-    use switchyard_simulator::SimulationSpec;
     let parse = |rel: &str| -> serde_yaml::Value {
         serde_yaml::from_str(&read(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
     };
     let server = parse("config/examples/multi-tenant.yaml");
     let spec = parse("config/examples/sim-jsonl.yaml");
-    let unknown = |e: String| e.contains("unknown field");
     let mut docs = vec!["README.md".to_owned(), "ARCHITECTURE.md".to_owned()];
     let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples");
     for entry in std::fs::read_dir(&examples).expect("config/examples") {
@@ -344,12 +357,7 @@ fn every_documented_config_key_is_read() {
     for doc in &docs {
         for key in config_keys(&read(doc)) {
             checked += 1;
-            let text = serde_yaml::to_string(&with_key(&server, &key)).expect("YAML");
-            let as_server = Config::from_yaml_str(&text, "probe").map_err(|e| e.to_string());
-            let text = serde_yaml::to_string(&with_key(&spec, &key)).expect("YAML");
-            let as_spec =
-                SimulationSpec::from_yaml_str(&text, Path::new("probe")).map_err(|e| e.to_string());
-            if as_server.is_err_and(unknown) && as_spec.is_err_and(unknown) {
+            if server_calls_unknown(&server, &key) && spec_calls_unknown(&spec, &key) {
                 wrong.push(format!("{doc}: `{key}`"));
             }
         }
@@ -368,55 +376,48 @@ fn every_documented_config_key_is_read() {
 /// The probe tells a misspelt key from a real one, in both kinds of file.
 #[test]
 fn the_key_probe_refuses_an_unknown_key() {
-    use switchyard_config::Config;
-    use switchyard_simulator::SimulationSpec;
     let server: serde_yaml::Value =
         serde_yaml::from_str(&read("config/examples/default.yaml")).expect("YAML");
     let spec: serde_yaml::Value =
         serde_yaml::from_str(&read("config/examples/sim-jsonl.yaml")).expect("YAML");
-    let server_err = |key: &str| {
-        let text = serde_yaml::to_string(&with_key(&server, key)).expect("YAML");
-        Config::from_yaml_str(&text, "probe")
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default()
-    };
-    let spec_err = |key: &str| {
-        let text = serde_yaml::to_string(&with_key(&spec, key)).expect("YAML");
-        SimulationSpec::from_yaml_str(&text, Path::new("probe"))
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default()
-    };
-    for key in [
-        "server.max_body_byte",
-        "tiers.<name>.max_kv_fractions",
-        "lora.adapters[i].pined",
-        "server.tls.cert",
+    for (calls_unknown, base, misspelt, right) in [
+        (
+            server_calls_unknown as fn(&serde_yaml::Value, &str) -> bool,
+            &server,
+            &[
+                "server.max_body_byte",
+                "tiers.<name>.max_kv_fractions",
+                "lora.adapters[i].pined",
+                "server.tls.cert",
+            ][..],
+            &[
+                "server.max_body_bytes",
+                "tiers.<name>.max_kv_fraction",
+                "lora.adapters[i].pinned",
+                "server.tls.cert_file",
+            ][..],
+        ),
+        (
+            spec_calls_unknown,
+            &spec,
+            &[
+                "workload.start",
+                "hardware.peak_flop",
+                "scheduler.lora_memory.load",
+            ],
+            &[
+                "workload.start_s",
+                "hardware.peak_flops",
+                "scheduler.lora_memory.load_ms",
+            ],
+        ),
     ] {
-        assert!(server_err(key).contains("unknown field"), "{key}");
-    }
-    for key in [
-        "server.max_body_bytes",
-        "tiers.<name>.max_kv_fraction",
-        "lora.adapters[i].pinned",
-        "server.tls.cert_file",
-    ] {
-        assert!(!server_err(key).contains("unknown field"), "{key}");
-    }
-    for key in [
-        "workload.start",
-        "hardware.peak_flop",
-        "scheduler.lora_memory.load",
-    ] {
-        assert!(spec_err(key).contains("unknown field"), "{key}");
-    }
-    for key in [
-        "workload.start_s",
-        "hardware.peak_flops",
-        "scheduler.lora_memory.load_ms",
-    ] {
-        assert!(!spec_err(key).contains("unknown field"), "{key}");
+        for key in misspelt {
+            assert!(calls_unknown(base, key), "{key}");
+        }
+        for key in right {
+            assert!(!calls_unknown(base, key), "{key}");
+        }
     }
     assert_eq!(
         config_keys("`cache.block_size` and `tiers.<name>.weight`, not `sim-jsonl.yaml`"),

@@ -7,6 +7,15 @@ fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../gpu/tests/fixtures/lora/smollm2-r4")
 }
 
+/// Registers the fixture adapter under `name`, not pinned.
+fn register(name: &str) -> Register {
+    Register {
+        name: name.into(),
+        path: fixture(),
+        pinned: false,
+    }
+}
+
 fn config(max_adapters: usize, max_loaded: usize) -> LoraManagerConfig {
     LoraManagerConfig {
         model: LlamaConfig::smollm2_135m(),
@@ -904,11 +913,6 @@ fn poll_once<F: std::future::Future>(fut: std::pin::Pin<&mut F>) -> Option<F::Ou
 #[actix::test]
 async fn adapters_in_memory_resolve_while_the_manager_is_busy() {
     let lora = LoraHandle::start(config(4, 1));
-    let register = |name: &str| Register {
-        name: name.into(),
-        path: fixture(),
-        pinned: false,
-    };
     let a = lora.ask(register("a")).await.expect("a");
     let b = lora.ask(register("b")).await.expect("b");
     // The manager's thread is taken (as by an admin load of a large adapter).
@@ -937,11 +941,6 @@ async fn adapters_in_memory_resolve_while_the_manager_is_busy() {
 #[actix::test]
 async fn adapters_released_over_the_limit_are_evicted_on_the_next_request() {
     let lora = LoraHandle::start(config(4, 1));
-    let register = |name: &str| Register {
-        name: name.into(),
-        path: fixture(),
-        pinned: false,
-    };
     lora.ask(register("a")).await.expect("a");
     let held_a = lora.resolve("a", None).await.expect("a");
     // b, unused, makes way at once for a, in use.
@@ -1056,11 +1055,6 @@ fn a_failed_replacement_into_full_memory_leaves_the_old_weights_served() {
 #[actix::test]
 async fn two_reads_at_once_never_share_the_last_free_slot() {
     let lora = LoraHandle::start(config(8, 3));
-    let register = |name: &str| Register {
-        name: name.into(),
-        path: fixture(),
-        pinned: false,
-    };
     for name in ["a", "b", "c", "d", "e"] {
         lora.ask(register(name)).await.expect(name);
     }
