@@ -288,7 +288,9 @@ pub struct ServeBenchArgs {
     /// Dataset of prompt/output lengths.
     #[arg(long, value_enum, default_value = "random")]
     pub dataset: ServeDataset,
-    /// The dataset's file: CSV for sharegpt and trace, JSONL for mooncake (at most 1 GiB).
+    /// The dataset's file: CSV for sharegpt and trace, JSONL for mooncake (at most 1 GiB; a
+    /// pipe such as /dev/stdin too). One whose start cannot be the dataset (a CSV header
+    /// without the columns, JSON Lines not starting with `{`) is refused there.
     #[arg(long)]
     pub dataset_path: Option<PathBuf>,
     /// The mooncake dataset's block size and slice.

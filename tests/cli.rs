@@ -509,6 +509,72 @@ fn prompt_and_schema_files_are_read_only_to_their_bound() {
     }
 }
 
+/// `bench serve` refuses a dataset as soon as its start cannot be one (`/dev/zero` was read
+/// to its 1 GiB bound first, then refused as too large), and still reads a dataset piped
+/// into `/dev/stdin`: the run goes on to the server (none at port 9).
+#[test]
+fn bench_serve_refuses_a_dataset_at_its_start_and_reads_pipes() {
+    let bench = |dataset: &str, path: &str| {
+        let mut c = switchyard();
+        c.args(["bench", "serve", "--base-url", "http://127.0.0.1:9"])
+            .args(["--dataset", dataset, "--dataset-path", path])
+            .args(["--num-prompts", "1"]);
+        c
+    };
+    for (dataset, why) in [
+        (
+            "mooncake",
+            "/dev/zero: not JSON Lines of objects (its first character is byte 0x00, not `{`)",
+        ),
+        (
+            "sharegpt",
+            "/dev/zero: not a CSV file: no line end in its first",
+        ),
+        (
+            "trace",
+            "/dev/zero: not a CSV file: no line end in its first",
+        ),
+    ] {
+        let err = common::fails_within(
+            &mut bench(dataset, "/dev/zero"),
+            std::time::Duration::from_secs(20),
+            &format!("bench serve --dataset {dataset} on /dev/zero"),
+        );
+        assert!(err.contains(why), "{dataset}: {err}");
+    }
+    let piped = |dataset: &str, text: &str| {
+        let mut child = bench(dataset, "/dev/stdin")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run switchyard");
+        // The writer may find the pipe closed by a refusal: that is the reader's answer.
+        let _ = std::io::Write::write_all(&mut child.stdin.take().expect("stdin"), text.as_bytes());
+        let out = child.wait_with_output().expect("wait");
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = piped("sharegpt", "num_prefill_tokens,num_decode_tokens\n12,5\n");
+    assert!(
+        err.contains("127.0.0.1:9") && !err.contains("/dev/stdin"),
+        "{err}"
+    );
+    let err = piped(
+        "mooncake",
+        "{\"timestamp\": 0, \"input_length\": 8, \"output_length\": 2}\n",
+    );
+    assert!(
+        err.contains("127.0.0.1:9") && !err.contains("/dev/stdin"),
+        "{err}"
+    );
+    let err = piped("sharegpt", "prompt,output\n12,5\n");
+    assert!(
+        err.contains("/dev/stdin: the header has no column num_prefill_tokens"),
+        "{err}"
+    );
+}
+
 /// An empty range of random prompt ids is refused before anything is sent (it was taken as a
 /// range of one id without a word).
 #[test]

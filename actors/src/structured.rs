@@ -76,11 +76,24 @@ const MAX_COUNT_STEPS: usize = 1 << 20;
 /// of the document.
 const MAX_COUNT_DEPTH: usize = 256;
 
+/// Longest output a regex may force from its start ([`forced_start`]) before it compiles.
+/// llguidance walks a forced stretch byte by byte when the first mask is computed, and fails
+/// one past its lexer's fuel ("too many expressions constructed") only after seconds of work
+/// (`a{1000}{1000}`: 4 to 10 s). Its own limit lies near 275,000 bytes for the cheapest
+/// stretch there is, one byte repeated (`a{250000}` compiles, `a{300000}` does not; `(ab)`
+/// repeated and nested repetitions give out sooner), so a start of more than this bound
+/// (about twice that) never compiled: it is refused at once, in llguidance's words. The
+/// test `llguidance_refuses_a_forced_start_of_the_bound` holds llguidance to it.
+pub const MAX_FORCED_START_BYTES: u64 = 1 << 19;
+
 /// Refuses a specification whose compile would do unbounded work that llguidance's own limits
 /// do not cover: JSON schemas (their own, or a Lark grammar's `%json` ones) whose patterns meet
-/// in an intersection of more than [`MAX_INTERSECTED_PATTERNS`].
+/// in an intersection of more than [`MAX_INTERSECTED_PATTERNS`]; and one whose compile would
+/// take seconds to reach llguidance's limits: a regex that forces more than
+/// [`MAX_FORCED_START_BYTES`] from its start.
 pub fn check_work(spec: &StructuredOutput) -> Result<(), String> {
     match spec {
+        StructuredOutput::Regex(r) => check_forced_start(r),
         StructuredOutput::JsonSchema(schema) => check_patterns(schema),
         StructuredOutput::Grammar(g) | StructuredOutput::ToolCalls(g) => {
             let mut seen = 0;
@@ -109,6 +122,67 @@ pub fn check_work(spec: &StructuredOutput) -> Result<(), String> {
             Ok(())
         }
         _ => Ok(()),
+    }
+}
+
+/// Refuses a regex whose output starts with more than [`MAX_FORCED_START_BYTES`] forced
+/// bytes, worded as llguidance's own refusal of it after its walk. A regex llguidance's
+/// parser (regex-syntax, with its defaults) does not read is left to llguidance.
+fn check_forced_start(regex: &str) -> Result<(), String> {
+    let Ok(hir) = regex_syntax::Parser::new().parse(regex) else {
+        return Ok(());
+    };
+    let (n, _) = forced_start(&hir);
+    if n > MAX_FORCED_START_BYTES {
+        return Err(format!(
+            "the output it forces from its start exceeds the parser's limits (it forces at \
+             least {n} bytes; at most {MAX_FORCED_START_BYTES} are followed)"
+        ));
+    }
+    Ok(())
+}
+
+/// How many bytes every match of `hir` starts with that no choice precedes (a lower bound on
+/// what llguidance forces: an alternation, a class of more than one character, an optional
+/// or open-ended count, and an assertion all stop it), and whether that is the whole match.
+/// Saturating: a count of counts never overflows.
+fn forced_start(hir: &regex_syntax::hir::Hir) -> (u64, bool) {
+    use regex_syntax::hir::{Class, HirKind};
+    match hir.kind() {
+        HirKind::Empty => (0, true),
+        HirKind::Literal(l) => (l.0.len() as u64, true),
+        HirKind::Class(Class::Unicode(c)) => match c.ranges() {
+            [r] if r.start() == r.end() => (r.start().len_utf8() as u64, true),
+            _ => (0, false),
+        },
+        HirKind::Class(Class::Bytes(c)) => match c.ranges() {
+            [r] if r.start() == r.end() => (1, true),
+            _ => (0, false),
+        },
+        HirKind::Look(_) | HirKind::Alternation(_) => (0, false),
+        HirKind::Capture(c) => forced_start(&c.sub),
+        HirKind::Repetition(r) => {
+            let (n, whole) = forced_start(&r.sub);
+            if whole {
+                let exact = r.max == Some(r.min) || n == 0;
+                (n.saturating_mul(u64::from(r.min)), exact)
+            } else if r.min > 0 {
+                (n, false)
+            } else {
+                (0, false)
+            }
+        }
+        HirKind::Concat(parts) => {
+            let mut total = 0u64;
+            for part in parts {
+                let (n, whole) = forced_start(part);
+                total = total.saturating_add(n);
+                if !whole {
+                    return (total, false);
+                }
+            }
+            (total, true)
+        }
     }
 }
 
@@ -1386,6 +1460,90 @@ mod tests {
         let text = walk(&c, &tok, &end, 1, 2000).expect("ends");
         assert_eq!(text, "x".repeat(1024));
         assert_eq!(c.failure(), None);
+    }
+
+    /// What a regex forces from its start, as [`check_forced_start`] counts it: a lower
+    /// bound that stops at any choice.
+    #[test]
+    fn forced_starts_are_counted_up_to_the_first_choice() {
+        let forced = |r: &str| forced_start(&regex_syntax::Parser::new().parse(r).unwrap());
+        assert_eq!(forced("a{1000}{1000}"), (1_000_000, true));
+        assert_eq!(forced("(ab){3}c"), (7, true));
+        assert_eq!(forced("x(a{1000}){525}y?"), (525_001, false));
+        assert_eq!(forced("a{3}b*c{9}"), (3, false));
+        assert_eq!(forced("x{2,5}y"), (2, false));
+        assert_eq!(forced("(a|b)a{524288}"), (0, false));
+        assert_eq!(forced("[a]{4}[\\x{e9}]"), (6, true));
+        assert_eq!(forced("^a{9}"), (0, false));
+        assert_eq!(forced("(?:){9}a"), (1, true));
+        assert_eq!(
+            forced("a{4294967295}{4294967295}{4294967295}"),
+            (u64::MAX, true)
+        );
+        for legit in [
+            r"\d{1,3}(\.\d{1,3}){3}",
+            "[a-z]{1,64}",
+            r#"[^"\\]{0,1000}"#,
+            "(0|[1-9][0-9]{0,17})",
+            "[ab]{1000}{1000}",
+        ] {
+            assert_eq!(forced(legit).0, 0, "{legit}");
+        }
+    }
+
+    /// A regex forcing more than [`MAX_FORCED_START_BYTES`] from its start is refused before
+    /// llguidance sees it (`a{1000}{1000}` took it 4 to 10 s to refuse), in its words; one
+    /// with a choice first, and the patterns clients send, compile.
+    #[test]
+    fn a_regex_forcing_a_long_start_is_refused_at_once() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let end = [tok.eos_token_ids()[0]];
+        for regex in ["a{1000}{1000}", "(ab){262145}", "x(a{1000}){525}y?"] {
+            let t0 = Instant::now();
+            let e = compiler
+                .compile(&StructuredOutput::Regex(regex.into()), &end, 1)
+                .expect_err(regex);
+            assert!(
+                e.starts_with("invalid structured output specification: the output it forces from its start exceeds the parser's limits (it forces at least "),
+                "{regex}: {e}"
+            );
+            assert!(
+                t0.elapsed() < Duration::from_millis(500),
+                "{regex}: {:?}",
+                t0.elapsed()
+            );
+        }
+        for regex in [
+            r"\d{1,3}(\.\d{1,3}){3}",
+            "[a-z]{1,64}",
+            "[ab]{1000}{1000}",
+            "(a|b)a{1000}{1000}",
+            "a{1000}",
+        ] {
+            compiler
+                .compile(&StructuredOutput::Regex(regex.into()), &end, 1)
+                .unwrap_or_else(|e| panic!("{regex}: {e}"));
+        }
+    }
+
+    /// [`MAX_FORCED_START_BYTES`] is past llguidance's own limit: a forced start one byte
+    /// longer, of the cheapest stretch (one byte repeated), fails in llguidance too (given as
+    /// a Lark grammar's regex, which the check does not read). Should a later llguidance
+    /// follow it, the bound would refuse what compiles: this test says so.
+    #[test]
+    fn llguidance_refuses_a_forced_start_of_the_bound() {
+        let tok = tokenizer();
+        let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
+        let end = [tok.eos_token_ids()[0]];
+        let grammar = format!("start: /a{{{}}}/\n", MAX_FORCED_START_BYTES + 1);
+        let e = compiler
+            .compile(&StructuredOutput::Grammar(grammar), &end, 1)
+            .expect_err("refused by llguidance");
+        assert!(
+            e.starts_with("invalid structured output specification: the output it forces from its start exceeds the parser's limits (lexer error: too many expressions constructed"),
+            "{e}"
+        );
     }
 
     /// A forced stretch past llguidance's limits after a free first token (`"a" | "b"`) cannot

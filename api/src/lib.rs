@@ -42,6 +42,8 @@ pub mod response_store;
 mod routes;
 pub mod schema;
 mod server;
+#[path = "../../support/short_number.rs"]
+mod short_number;
 mod sse;
 mod state;
 mod throttle;

@@ -21,6 +21,8 @@ mod schema;
 #[cfg(test)]
 #[path = "../../testsupport/scratch.rs"]
 mod scratch;
+#[path = "../../support/short_number.rs"]
+mod short_number;
 mod tls;
 
 pub use cors::{CorsSection, MAX_CORS_ENTRIES, MAX_CORS_ENTRY_BYTES};
@@ -159,7 +161,7 @@ impl Config {
         let parse_err = |file: &str, e: serde_yaml::Error| ConfigError::Parse {
             file: file.to_string(),
             line: e.location().map(|l| l.line()),
-            message: e.to_string(),
+            message: crate::short_number::short_float_echoes(&e.to_string()),
         };
         // An empty file is the all-defaults configuration.
         let mut config: Config = if text.trim().is_empty() {
@@ -514,6 +516,21 @@ mod tests {
         );
         assert!(
             e.starts_with("t.yaml:3: cache.gpu_memory_utilization: 1.5 must be in (0, 1]"),
+            "{e}"
+        );
+        // Echoed short: `{}` wrote 1e300 as 301 digits, and serde too where a whole
+        // number is expected.
+        let e = error("cache:\n  block_size: 1e300\n", &[]);
+        assert!(
+            e.contains("cache.block_size: invalid type: floating point `1e300`, expected"),
+            "{e}"
+        );
+        let e = error(
+            "cache:\n  block_size: 16\n  gpu_memory_utilization: 1e300\n",
+            &[],
+        );
+        assert!(
+            e.starts_with("t.yaml:3: cache.gpu_memory_utilization: 1e300 must be in (0, 1]"),
             "{e}"
         );
         // The host KV tier's size: finite, not negative, bounded; named by its path.

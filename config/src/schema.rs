@@ -165,7 +165,10 @@ const FRACTION: Checked = Checked {
         if v > 0.0 && v <= 1.0 {
             Ok(v)
         } else {
-            Err(format!("{v} must be in (0, 1]"))
+            Err(format!(
+                "{} must be in (0, 1]",
+                crate::short_number::short_number(v)
+            ))
         }
     },
     expecting: "a number in (0, 1]",
@@ -186,7 +189,8 @@ fn opt_positive_ms<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Er
                 Ok(v)
             } else {
                 Err(format!(
-                    "{v} must be a positive number of milliseconds (at most one hour)"
+                    "{} must be a positive number of milliseconds (at most one hour)",
+                    crate::short_number::short_number(v)
                 ))
             }
         },
@@ -212,7 +216,8 @@ fn offloading_gib<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
                 Ok(v)
             } else {
                 Err(format!(
-                    "{v} must be a size in GiB in 0..={MAX_KV_OFFLOADING_GIB} (0: no host tier)"
+                    "{} must be a size in GiB in 0..={MAX_KV_OFFLOADING_GIB} (0: no host tier)",
+                    crate::short_number::short_number(v)
                 ))
             }
         },
@@ -226,7 +231,10 @@ fn weight<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
             if v.is_finite() && (1e-3..=1e6).contains(&v) {
                 Ok(v)
             } else {
-                Err(format!("{v} must be a weight in 0.001..=1e6"))
+                Err(format!(
+                    "{} must be a weight in 0.001..=1e6",
+                    crate::short_number::short_number(v)
+                ))
             }
         },
         expecting: "a weight in 0.001..=1e6",

@@ -20,6 +20,8 @@ pub mod sampler;
 #[cfg(test)]
 #[path = "../../testsupport/scratch.rs"]
 mod scratch;
+#[path = "../../support/short_number.rs"]
+mod short_number;
 pub mod token_filter;
 pub use backend::{
     Backend, Batch, CpuBackend, CpuBackendConfig, KvCopy, SeqInput, SeqOutput,

@@ -209,11 +209,18 @@ impl LoraPair {
         mut b: Vec<f32>,
     ) -> Result<Self, String> {
         if let Some(x) = a.iter().find(|x| !x.is_finite()) {
-            return Err(format!("lora_A holds {x}"));
+            return Err(format!(
+                "lora_A holds {}",
+                crate::short_number::short_number(*x)
+            ));
         }
         b.iter_mut().for_each(|x| *x *= scale);
         if let Some(x) = b.iter().find(|x| !x.is_finite()) {
-            return Err(format!("lora_B scaled by {scale} holds {x}"));
+            return Err(format!(
+                "lora_B scaled by {} holds {}",
+                crate::short_number::short_number(scale),
+                crate::short_number::short_number(*x)
+            ));
         }
         let heads = match target {
             LoraTarget::Q => c.num_heads,
@@ -405,7 +412,13 @@ fn parse_config(path: &Path, text: &str, limits: &LoraLimits) -> Result<AdapterC
             .ok_or_else(|| invalid(path, "\"lora_alpha\" is not a number"))?,
     };
     if !alpha.is_finite() || alpha.abs() > 1e6 {
-        return Err(invalid(path, format!("lora_alpha {alpha} is out of range")));
+        return Err(invalid(
+            path,
+            format!(
+                "lora_alpha {} is out of range",
+                crate::short_number::short_number(alpha)
+            ),
+        ));
     }
     let flag = |k: &str| obj.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
     let nonempty = |k: &str| match obj.get(k) {
@@ -513,7 +526,13 @@ fn to_f32(path: &Path, name: &str, dtype: StDtype, data: &[u8]) -> Result<Vec<f3
         }
     };
     if let Some(x) = out.iter().find(|x: &&f32| !x.is_finite()) {
-        return Err(invalid(path, format!("tensor '{name}' holds {x}")));
+        return Err(invalid(
+            path,
+            format!(
+                "tensor '{name}' holds {}",
+                crate::short_number::short_number(*x)
+            ),
+        ));
     }
     Ok(out)
 }
@@ -1034,7 +1053,11 @@ mod tests {
             (r#"{"r": 0}"#, "rank 0"),
             (r#"{"r": 65}"#, "rank 65"),
             (r#"{"r": 2, "lora_alpha": "x"}"#, "lora_alpha"),
-            (r#"{"r": 2, "lora_alpha": 1e300}"#, "out of range"),
+            // Echoed short: `{}` wrote 1e300 as 301 digits.
+            (
+                r#"{"r": 2, "lora_alpha": 1e300}"#,
+                "lora_alpha 1e300 is out of range",
+            ),
             (r#"{"r": 2, "use_dora": true}"#, "DoRA"),
             (r#"{"r": 2, "fan_in_fan_out": true}"#, "fan_in_fan_out"),
             (r#"{"r": 2, "rank_pattern": {"q_proj": 8}}"#, "rank_pattern"),
@@ -1054,6 +1077,13 @@ mod tests {
             let e = err(&c, config, &f);
             assert!(e.contains(needle), "{config}: {e}");
         }
+        // A number of 300 digits is not echoed whole either.
+        let long = format!(r#"{{"r": 2, "lora_alpha": 1{}}}"#, "0".repeat(299));
+        let e = err(&c, &long, &f);
+        assert!(
+            e.contains("lora_alpha 1e299 is out of range") && e.len() < 200,
+            "{e}"
+        );
     }
 
     #[test]

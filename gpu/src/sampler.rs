@@ -131,19 +131,23 @@ impl SamplingParams {
     /// Checks ranges and that every token id is inside a vocabulary of `vocab` tokens.
     pub fn validate(&self, vocab: usize) -> Result<(), GpuError> {
         let bad = |m: String| Err(GpuError::BadSampling(m));
+        let short = crate::short_number::short_number::<f32>;
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad(format!("temperature {} must be >= 0", self.temperature));
+            return bad(format!(
+                "temperature {} must be >= 0",
+                short(self.temperature)
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("top_p {} must be in (0, 1]", self.top_p));
+            return bad(format!("top_p {} must be in (0, 1]", short(self.top_p)));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return bad(format!("min_p {} must be in [0, 1]", self.min_p));
+            return bad(format!("min_p {} must be in [0, 1]", short(self.min_p)));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
             return bad(format!(
                 "repetition_penalty {} must be > 0",
-                self.repetition_penalty
+                short(self.repetition_penalty)
             ));
         }
         for (name, v) in [
@@ -151,7 +155,7 @@ impl SamplingParams {
             ("frequency", self.frequency_penalty),
         ] {
             if !(-2.0..=2.0).contains(&v) {
-                return bad(format!("{name}_penalty {v} must be in [-2, 2]"));
+                return bad(format!("{name}_penalty {} must be in [-2, 2]", short(v)));
             }
         }
         for (name, n) in [

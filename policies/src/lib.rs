@@ -56,6 +56,8 @@ mod queue_deadline;
 pub mod rate_limit;
 pub mod scheduler;
 pub mod sequence;
+#[path = "../../support/short_number.rs"]
+mod short_number;
 pub mod speculative;
 mod tier_quota;
 pub mod types;

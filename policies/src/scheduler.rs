@@ -212,9 +212,10 @@ fn check_limit(field: &'static str, v: usize, max: usize) -> Result<(), Schedule
 
 fn check_target(v: Option<f64>) -> Result<(), String> {
     match v {
-        Some(x) if !(x.is_finite() && x > 0.0) => {
-            Err(format!("must be a positive number, got {x}"))
-        }
+        Some(x) if !(x.is_finite() && x > 0.0) => Err(format!(
+            "must be a positive number, got {}",
+            crate::short_number::short_number(x)
+        )),
         _ => Ok(()),
     }
 }
@@ -304,7 +305,11 @@ pub fn validate_config(c: &SchedulerConfig) -> Result<(), SchedulerError> {
         {
             return Err(config_err(
                 "tiers.max_kv_fraction",
-                format!("tier `{}`: must be a number in (0, 1], got {f}", t.name),
+                format!(
+                    "tier `{}`: must be a number in (0, 1], got {}",
+                    t.name,
+                    crate::short_number::short_number(f)
+                ),
             ));
         }
         if !(t.weight.is_finite() && t.weight > 0.0) {

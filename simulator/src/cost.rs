@@ -279,7 +279,10 @@ impl ModelSpec {
             ("bytes_per_kv", self.bytes_per_kv),
         ] {
             if !(v.is_finite() && v > 0.0 && v <= 8.0) {
-                return Err(format!("model.{name} = {v} outside (0, 8]"));
+                return Err(format!(
+                    "model.{name} = {} outside (0, 8]",
+                    crate::spec::short_number(v)
+                ));
             }
         }
         Ok(())
@@ -404,7 +407,10 @@ impl HardwareSpec {
         ];
         for (name, v, lo, hi) in checks {
             if !(v.is_finite() && v >= lo && v <= hi) {
-                return Err(format!("hardware.{name} = {v} outside [{lo}, {hi}]"));
+                return Err(format!(
+                    "hardware.{name} = {} outside [{lo}, {hi}]",
+                    crate::spec::short_number(v)
+                ));
             }
         }
         Ok(())

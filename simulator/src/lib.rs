@@ -28,6 +28,8 @@ pub mod report;
 #[cfg(test)]
 #[path = "../../testsupport/scratch.rs"]
 mod scratch;
+#[path = "../../support/short_number.rs"]
+mod short_number;
 pub mod slo_params;
 pub mod spec;
 pub mod trace;

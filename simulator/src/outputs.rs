@@ -20,6 +20,7 @@ use crate::report::Comparison;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::path::Path;
+use switchyard_config::ReadError;
 
 /// The manifest's file name.
 pub const MANIFEST: &str = "simulate-manifest.json";
@@ -27,6 +28,13 @@ pub const MANIFEST: &str = "simulate-manifest.json";
 /// What `write` says in the manifest's `written_by`, to tell it from a file of the same name
 /// that is not ours.
 const WRITTEN_BY: &str = "switchyard simulate";
+
+/// Largest manifest read: a run lists at most a few hundred names (its policies' per-request
+/// files, its tiers' plots), a few KiB.
+const MAX_MANIFEST_BYTES: u64 = 1 << 20;
+/// Largest `summary.json` read to find an earlier run's files (a directory written before
+/// manifests): far above what a run of [`crate::spec::MAX_POLICIES`] policies writes.
+const MAX_SUMMARY_BYTES: u64 = 64 << 20;
 
 /// The comparison as JSON.
 pub const SUMMARY_JSON: &str = "summary.json";
@@ -156,8 +164,8 @@ pub struct OutputFiles {
 /// overwrite it.
 fn earlier_files(dir: &Path) -> Result<BTreeSet<String>, SimError> {
     let path = dir.join(MANIFEST);
-    match std::fs::read_to_string(&path) {
-        Ok(text) => {
+    match switchyard_config::read_bytes(&path, MAX_MANIFEST_BYTES) {
+        Ok(bytes) => {
             let not_ours = || {
                 SimError::io(
                     &path,
@@ -167,17 +175,19 @@ fn earlier_files(dir: &Path) -> Result<BTreeSet<String>, SimError> {
                     ),
                 )
             };
-            let m: Manifest = serde_json::from_str(&text).map_err(|_| not_ours())?;
+            let m: Manifest = serde_json::from_slice(&bytes).map_err(|_| not_ours())?;
             if m.written_by != WRITTEN_BY {
                 return Err(not_ours());
             }
             Ok(m.files.into_iter().filter(|n| is_output_name(n)).collect())
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            // Only a summary.json that reads as ours counts; anything else names nothing.
-            let summary = std::fs::read_to_string(dir.join(SUMMARY_JSON)).ok();
+        Err(ReadError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            // Only a summary.json that reads as ours counts; anything else names nothing
+            // (one larger than any a run writes, or not a regular file, is not read).
+            let summary = switchyard_config::read_bytes(&dir.join(SUMMARY_JSON), MAX_SUMMARY_BYTES);
             let policies = summary
-                .and_then(|s| serde_json::from_str::<Comparison>(&s).ok())
+                .ok()
+                .and_then(|s| serde_json::from_slice::<Comparison>(&s).ok())
                 .map(|c| c.policies)
                 .unwrap_or_default();
             Ok(policies
@@ -186,7 +196,14 @@ fn earlier_files(dir: &Path) -> Result<BTreeSet<String>, SimError> {
                 .filter(|n| is_output_name(n))
                 .collect())
         }
-        Err(e) => Err(SimError::io(&path, e)),
+        Err(ReadError::Io(e)) => Err(SimError::io(&path, e)),
+        Err(ReadError::Invalid(why)) => Err(SimError::io(
+            &path,
+            std::io::Error::other(format!(
+                "{why}, not a manifest switchyard simulate wrote (it lists file names, a few \
+                 KiB); move it, or give --out another directory"
+            )),
+        )),
     }
 }
 
@@ -399,6 +416,49 @@ mod tests {
             std::fs::read_to_string(d.join(MANIFEST)).unwrap(),
             "{\"files\": []}"
         );
+    }
+
+    /// A manifest is read to a bound: one past it (here ours, padded) is refused with why,
+    /// not read whole (a manifest of a few KiB could not be that large).
+    #[test]
+    fn a_manifest_past_its_bound_is_refused_unread() {
+        let d = dir("big-manifest");
+        let ours = format!(
+            "{{\"written_by\": \"{WRITTEN_BY}\", \"files\": []{}}}",
+            " ".repeat(MAX_MANIFEST_BYTES as usize)
+        );
+        std::fs::write(d.join(MANIFEST), &ours).unwrap();
+        let err = prepare(&d, &names(&["summary.json"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(MANIFEST)
+                && err.contains(&format!("too large: more than {MAX_MANIFEST_BYTES} bytes"))
+                && err.contains("not a manifest switchyard simulate wrote"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_to_string(d.join(MANIFEST)).unwrap(), ours);
+    }
+
+    /// A `summary.json` past its bound (here ours, padded) names nothing, as any other that
+    /// does not read as ours: it is not read whole.
+    #[test]
+    fn a_summary_past_its_bound_names_nothing() {
+        let d = dir("big-summary");
+        let summary = Comparison {
+            policies: vec![crate::report::PolicySummary {
+                policy: "priority".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let mut text = serde_json::to_string(&summary).unwrap();
+        text.push_str(&" ".repeat(MAX_SUMMARY_BYTES as usize));
+        std::fs::write(d.join(SUMMARY_JSON), text).unwrap();
+        std::fs::write(d.join("requests-priority.jsonl"), "x").unwrap();
+        let files = names(&["summary.json", "requests-fcfs.jsonl"]);
+        assert!(run(&d, &files).is_empty());
+        assert!(d.join("requests-priority.jsonl").exists());
     }
 
     #[test]

@@ -69,15 +69,7 @@ pub const MAX_HOST_OVERHEAD_US: f64 = 1e7;
 /// Most tiers (or tenants) in a spec.
 pub const MAX_LABELS: usize = 256;
 
-/// `v` as an operator wrote it, short: `1e308` and `1e-6` rather than 309 digits or
-/// `0.000001`; plain decimals between a thousandth and a million.
-pub fn short_number(v: f64) -> String {
-    if v != 0.0 && v.is_finite() && !(1e-3..1e6).contains(&v.abs()) {
-        format!("{v:e}")
-    } else {
-        format!("{v}")
-    }
-}
+pub use crate::short_number::short_number;
 
 /// Accepted `workload.time_scale` (and `simulate --time-scale`): a million times slower to a
 /// million times faster. Further out, arrivals leave the clock's year or collapse to one

@@ -495,6 +495,106 @@ pub(super) fn read_bounded(path: &Path, max: u64) -> anyhow::Result<String> {
     String::from_utf8(bytes).with_context(|| format!("reading {}: not UTF-8 text", path.display()))
 }
 
+/// How a dataset file must begin, checked as soon as enough of it has been read, so that
+/// a file that cannot be the dataset (`/dev/zero`, a binary, a file of another kind) is
+/// refused at once rather than after up to [`MAX_DATASET_BYTES`] of it.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum DatasetStart<'a> {
+    /// A CSV whose header (the first line, a byte order mark aside) has these columns.
+    Csv(&'a [&'a str]),
+    /// JSON Lines of objects: the first byte that is not whitespace is `{`.
+    JsonObjects,
+}
+
+/// Longest CSV header read before a file without one (no line end yet) is refused.
+const MAX_CSV_HEADER_BYTES: usize = 1 << 20;
+
+/// [`read_bounded`] for a dataset: read in pieces, and refused as soon as its beginning is
+/// not what `start` says (the header line's columns, a JSON object), naming the file and
+/// what is wrong. Pipes (`/dev/stdin`) are read as files are.
+pub(super) fn read_dataset(path: &Path, max: u64, start: DatasetStart) -> anyhow::Result<String> {
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut bytes = Vec::new();
+    let mut checked = false;
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        let n = match file.read(&mut chunk) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+        bytes.extend_from_slice(&chunk[..n]);
+        anyhow::ensure!(
+            bytes.len() as u64 <= max,
+            "{} is larger than {max} bytes",
+            path.display()
+        );
+        if !checked {
+            checked = check_dataset_start(path, &bytes, start, n == 0)?;
+        }
+        if n == 0 {
+            break;
+        }
+    }
+    String::from_utf8(bytes).with_context(|| format!("reading {}: not UTF-8 text", path.display()))
+}
+
+/// Whether the beginning `bytes` of the dataset at `path` has been checked against `start`
+/// (false: more must be read to tell; `all` says there is no more); an error if it cannot be
+/// the dataset.
+fn check_dataset_start(
+    path: &Path,
+    bytes: &[u8],
+    start: DatasetStart,
+    all: bool,
+) -> anyhow::Result<bool> {
+    let bytes = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(bytes);
+    match start {
+        DatasetStart::JsonObjects => match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+            Some(b'{') => Ok(true),
+            Some(&b) => anyhow::bail!(
+                "{}: not JSON Lines of objects (its first character is {}, not `{{`)",
+                path.display(),
+                shown_byte(b)
+            ),
+            None => Ok(all),
+        },
+        DatasetStart::Csv(names) => {
+            let header = match bytes.iter().position(|&b| b == b'\n') {
+                Some(end) => &bytes[..end],
+                None if all => bytes,
+                None => {
+                    anyhow::ensure!(
+                        bytes.len() <= MAX_CSV_HEADER_BYTES,
+                        "{}: not a CSV file: no line end in its first {MAX_CSV_HEADER_BYTES} \
+                         bytes, so it has no header line",
+                        path.display()
+                    );
+                    return Ok(false);
+                }
+            };
+            let header = std::str::from_utf8(header).map_err(|_| {
+                anyhow::anyhow!(
+                    "{}: not a CSV file: its header line is not UTF-8 text",
+                    path.display()
+                )
+            })?;
+            csv_columns(path, header, names)?;
+            Ok(true)
+        }
+    }
+}
+
+/// A byte as an error shows it: the character for printable ASCII, else its value.
+fn shown_byte(b: u8) -> String {
+    if b.is_ascii_graphic() {
+        format!("`{}`", b as char)
+    } else {
+        format!("byte 0x{b:02x}")
+    }
+}
+
 /// The run's prompts: their lengths, outputs, arrival offsets (if the dataset has them) and
 /// blocks (mooncake).
 fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<Row>> {
@@ -506,7 +606,7 @@ fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<R
                 .dataset_path
                 .clone()
                 .context("--dataset-path is required for the mooncake dataset")?;
-            let text = read_bounded(&path, MAX_DATASET_BYTES)?;
+            let text = read_dataset(&path, MAX_DATASET_BYTES, DatasetStart::JsonObjects)?;
             let rows =
                 mooncake::read_rows(&path, &text, row_shape(args), args.mooncake.skip_rows, n)?;
             Ok(rows.into_iter().map(Row::from).collect())
@@ -516,16 +616,14 @@ fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<R
                 .dataset_path
                 .clone()
                 .context("--dataset-path is required for sharegpt and trace datasets")?;
-            let text = read_bounded(&path, MAX_DATASET_BYTES)?;
-            let (text, prompt_col, output_col, ts_col) = if args.dataset == ServeDataset::Sharegpt {
-                let names = ["num_prefill_tokens", "num_decode_tokens"];
-                let (text, c) = csv_columns(&path, &text, &names)?;
-                (text, c[0], c[1], None)
+            let names: &[&str] = if args.dataset == ServeDataset::Sharegpt {
+                &["num_prefill_tokens", "num_decode_tokens"]
             } else {
-                let names = ["ContextTokens", "GeneratedTokens", "TIMESTAMP"];
-                let (text, c) = csv_columns(&path, &text, &names)?;
-                (text, c[0], c[1], Some(c[2]))
+                &["ContextTokens", "GeneratedTokens", "TIMESTAMP"]
             };
+            let text = read_dataset(&path, MAX_DATASET_BYTES, DatasetStart::Csv(names))?;
+            let (text, c) = csv_columns(&path, &text, names)?;
+            let (prompt_col, output_col, ts_col) = (c[0], c[1], c.get(2).copied());
             let header: Vec<&str> = text
                 .lines()
                 .next()
@@ -2247,6 +2345,77 @@ mod tests {
         std::fs::write(&path, b"a\xffb").unwrap();
         let e = format!("{:#}", read_bounded(&path, 6).unwrap_err());
         assert!(e.contains("UTF-8"), "{e}");
+    }
+
+    /// A dataset whose beginning cannot be the dataset is refused there, not after its
+    /// bound: `/dev/zero` (it was read to 1 GiB), a text file that is not JSON Lines, a CSV
+    /// without the columns or with no line end; what can be the dataset reads whole.
+    #[test]
+    fn a_dataset_is_refused_as_soon_as_it_cannot_be_one() {
+        let dir = crate::scratch::ScratchDir::new("bench-dataset-start");
+        let path = dir.join("d");
+        let cols = DatasetStart::Csv(&["num_prefill_tokens", "num_decode_tokens"]);
+        let read = |start| read_dataset(&path, MAX_DATASET_BYTES, start);
+        let zero = Path::new("/dev/zero");
+        let e = format!(
+            "{:#}",
+            read_dataset(zero, MAX_DATASET_BYTES, DatasetStart::JsonObjects).unwrap_err()
+        );
+        assert_eq!(
+            e,
+            "/dev/zero: not JSON Lines of objects (its first character is byte 0x00, not `{`)"
+        );
+        let e = format!(
+            "{:#}",
+            read_dataset(zero, MAX_DATASET_BYTES, cols).unwrap_err()
+        );
+        assert_eq!(
+            e,
+            format!(
+                "/dev/zero: not a CSV file: no line end in its first {MAX_CSV_HEADER_BYTES} \
+                 bytes, so it has no header line"
+            )
+        );
+        // JSON Lines: whitespace and a byte order mark may come first; anything else is not.
+        let rows = "\u{feff}\n  {\"timestamp\": 0}\nnot json\n";
+        std::fs::write(&path, rows).unwrap();
+        assert_eq!(read(DatasetStart::JsonObjects).unwrap(), rows);
+        std::fs::write(&path, "[{\"timestamp\": 0}]").unwrap();
+        let e = format!("{:#}", read(DatasetStart::JsonObjects).unwrap_err());
+        assert!(
+            e.ends_with("d: not JSON Lines of objects (its first character is `[`, not `{`)"),
+            "{e}"
+        );
+        std::fs::write(&path, " \n").unwrap();
+        assert_eq!(read(DatasetStart::JsonObjects).unwrap(), " \n");
+        // A CSV's header is checked once its line ends (or the file does), before the rest.
+        let mut csv = "\u{feff}id,num_prefill_tokens,num_decode_tokens\r\n".to_string();
+        csv.push_str(&"1,2,3\n".repeat(100_000));
+        std::fs::write(&path, &csv).unwrap();
+        assert_eq!(read(cols).unwrap(), csv);
+        std::fs::write(&path, "num_prefill_tokens,num_decode_tokens").unwrap();
+        assert!(read(cols).is_ok());
+        let mut other = "ContextTokens,GeneratedTokens\n".to_string();
+        other.push_str(&"\0".repeat(1 << 20));
+        std::fs::write(&path, other).unwrap();
+        let e = format!("{:#}", read(cols).unwrap_err());
+        assert!(
+            e.ends_with("d: the header has no column num_prefill_tokens"),
+            "{e}"
+        );
+        std::fs::write(&path, b"\xff,num_prefill_tokens,num_decode_tokens\n").unwrap();
+        let e = format!("{:#}", read(cols).unwrap_err());
+        assert!(
+            e.ends_with("d: not a CSV file: its header line is not UTF-8 text"),
+            "{e}"
+        );
+        // The bound still holds for a file whose start is right.
+        std::fs::write(&path, "{}\n{}\n").unwrap();
+        let e = format!(
+            "{:#}",
+            read_dataset(&path, 4, DatasetStart::JsonObjects).unwrap_err()
+        );
+        assert!(e.ends_with("d is larger than 4 bytes"), "{e}");
     }
 
     /// `bench serve` arguments as clap parses them from `extra`.

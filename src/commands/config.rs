@@ -170,14 +170,22 @@ pub fn cors_settings(section: &CorsSection) -> CorsSettings {
 /// Where the value of `field` (dotted, `server.port`) in force comes from, as errors about it
 /// name it: the override that set it (`override `--set server.port=9000``), else the file's
 /// line (`config.yaml:10`), else `default, not set in config.yaml`. For errors found after the
-/// configuration loaded (a port in use), so the file is read again; the environment too.
+/// configuration loaded (a port in use), so the file is read again, as the load read it (a
+/// regular file of at most [`switchyard_config::MAX_CONFIG_BYTES`]: it may have changed
+/// since), and the environment too. A file that no longer reads is named with why.
 pub fn field_origin(file: &std::path::Path, cli_overrides: &[String], field: &str) -> String {
     let mut all = env_overrides(std::env::vars_os()).unwrap_or_default();
     all.extend(cli_overrides.iter().cloned().map(Override::flag));
     if let Some(o) = all.iter().rev().find(|o| o.covers(field)) {
         return format!("override `{o}`");
     }
-    let text = std::fs::read_to_string(file).unwrap_or_default();
+    let text = switchyard_config::read_bytes(file, switchyard_config::MAX_CONFIG_BYTES)
+        .map_err(|e| e.to_string())
+        .and_then(|b| String::from_utf8(b).map_err(|_| "not UTF-8 text".to_string()));
+    let text = match text {
+        Ok(text) => text,
+        Err(why) => return format!("{}, which no longer reads: {why}", file.display()),
+    };
     match switchyard_config::locate(&text, field) {
         Some(line) => format!("{}:{line}", file.display()),
         None => format!("default, not set in {}", file.display()),
@@ -419,4 +427,43 @@ pub fn tier_specs(config: &Config) -> Vec<TierSpec> {
             max_kv_fraction: t.max_kv_fraction,
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The file is read again as the load read it: one grown past the bound (or replaced by
+    /// something other than a regular file) is named with why, never read whole.
+    #[test]
+    fn field_origin_reads_the_file_again_within_the_bound() {
+        let dir = crate::scratch::ScratchDir::new("field-origin");
+        let file = dir.join("config.yaml");
+        std::fs::write(&file, "model:\n  path: m\nserver:\n  port: 9000\n").unwrap();
+        let f = file.display();
+        assert_eq!(field_origin(&file, &[], "server.port"), format!("{f}:4"));
+        assert_eq!(
+            field_origin(&file, &[], "server.host"),
+            format!("default, not set in {f}")
+        );
+        let over = ["server.port=9001".to_string()];
+        assert_eq!(
+            field_origin(&file, &over, "server.port"),
+            "override `--set server.port=9001`"
+        );
+        // Past the bound, with the field on its last line: not read (it was found before).
+        let mut big = "#".repeat(switchyard_config::MAX_CONFIG_BYTES as usize);
+        big.push_str("\nserver:\n  port: 9000\n");
+        std::fs::write(&file, big).unwrap();
+        let origin = field_origin(&file, &[], "server.port");
+        assert!(
+            origin.starts_with(&format!("{f}, which no longer reads: "))
+                && origin.contains("too large"),
+            "{origin}"
+        );
+        std::fs::remove_file(&file).unwrap();
+        std::fs::create_dir(&file).unwrap();
+        let origin = field_origin(&file, &[], "server.port");
+        assert!(origin.contains("not a regular file"), "{origin}");
+    }
 }

@@ -33,6 +33,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
+use switchyard_simulator::spec::short_number;
 use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_LINE_BYTES, MAX_REQUESTS as MAX_ROWS};
 
 /// Tokens a hash id covers in the published trace.
@@ -177,21 +178,25 @@ pub(super) fn read_rows(
         let ms = line.timestamp;
         anyhow::ensure!(
             ms.is_finite() && ms >= 0.0,
-            "{}: {ms} is not a non-negative number of milliseconds",
-            at("timestamp")
+            "{}: {} is not a non-negative number of milliseconds",
+            at("timestamp"),
+            short_number(ms)
         );
         anyhow::ensure!(
             ms >= prev_ms,
-            "{}: {ms} is earlier than the row before ({prev_ms}): timestamps must be sorted",
-            at("timestamp")
+            "{}: {} is earlier than the row before ({}): timestamps must be sorted",
+            at("timestamp"),
+            short_number(ms),
+            short_number(prev_ms)
         );
         prev_ms = ms;
         let since = (ms - *first_ms.get_or_insert(ms)) / 1000.0;
         anyhow::ensure!(
             since <= MAX_ARRIVAL_S,
-            "{}: {since:.0} s after the first row's; at most a year ({MAX_ARRIVAL_S:.0} s) is \
+            "{}: {} s after the first row's; at most a year ({MAX_ARRIVAL_S:.0} s) is \
              replayed",
-            at("timestamp")
+            at("timestamp"),
+            short_number(since.round())
         );
         let max = shape.max_row_tokens as u64;
         for (name, v) in [
@@ -502,6 +507,17 @@ mod tests {
             (
                 r#"{"timestamp": 1e14, "input_length": 10, "output_length": 1}"#,
                 "mc.jsonl:2: field timestamp",
+            ),
+            // Numbers echoed short (`{}` wrote 1e300 as 301 digits).
+            (
+                r#"{"timestamp": 1e300, "input_length": 10, "output_length": 1}"#,
+                "mc.jsonl:2: field timestamp: 1e297 s after the first row's; at most a year \
+                 (31622400 s) is replayed",
+            ),
+            (
+                r#"{"timestamp": -1e300, "input_length": 10, "output_length": 1}"#,
+                "mc.jsonl:2: field timestamp: -1e300 is not a non-negative number of \
+                 milliseconds",
             ),
             (
                 r#"{"timestamp": 5, "input_length": 0, "output_length": 1}"#,

@@ -46,7 +46,10 @@ fn check_range(param: &str, value: Option<f32>, lo: f32, hi: f32) -> Result<(), 
     match value {
         Some(v) if !(v.is_finite() && v >= lo && v <= hi) => Err(ApiError::invalid(
             param,
-            format!("{param} must be in [{lo}, {hi}], got {v}"),
+            format!(
+                "{param} must be in [{lo}, {hi}], got {}",
+                crate::short_number::short_number(v)
+            ),
         )),
         _ => Ok(()),
     }
@@ -216,6 +219,21 @@ mod tests {
             ..SamplerFields::default()
         };
         assert_eq!(param_of(fields).as_deref(), Some("logit_bias"));
+    }
+
+    /// A value past its range is echoed short (`{}` wrote the largest `f32` as 39 digits).
+    #[test]
+    fn a_value_out_of_range_is_echoed_short() {
+        let fields = SamplerFields {
+            temperature: Some(f32::MAX),
+            ..SamplerFields::default()
+        };
+        match fields.validate() {
+            Err(ApiError::InvalidRequest { message, .. }) => {
+                assert_eq!(message, "temperature must be in [0, 2], got 3.4028235e38");
+            }
+            other => panic!("expected an error, got {other:?}"),
+        }
     }
 
     #[test]

@@ -358,7 +358,10 @@ impl LlamaConfig {
             ));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
-            return bad(format!("rope_theta {} is not > 1", self.rope_theta));
+            return bad(format!(
+                "rope_theta {} is not > 1",
+                crate::short_number::short_number(self.rope_theta)
+            ));
         }
         if let Some(s) = &self.rope_scaling {
             s.validate()?;

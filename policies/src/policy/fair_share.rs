@@ -196,7 +196,8 @@ impl FairShare {
                     field: "tiers".into(),
                     reason: format!(
                         "tier `{}`: weight must be in {MIN_WEIGHT}..={MAX_WEIGHT}, got {}",
-                        t.name, t.weight
+                        t.name,
+                        crate::short_number::short_number(t.weight)
                     ),
                 });
             }

@@ -1,5 +1,6 @@
 //! Reading policy parameters from YAML with errors that name the field.
 
+use crate::short_number::short_number;
 use std::collections::BTreeMap;
 
 use serde_yaml::{Mapping, Value};
@@ -113,7 +114,10 @@ impl<'v> Params<'v> {
             .as_f64()
             .ok_or_else(|| self.err(field, format!("expected a number, got {}", kind(v))))?;
         if !x.is_finite() || x < min || x > max {
-            return Err(self.err(field, format!("must be in {min}..={max}, got {x}")));
+            return Err(self.err(
+                field,
+                format!("must be in {min}..={max}, got {}", short_number(x)),
+            ));
         }
         Ok(x)
     }
@@ -125,7 +129,10 @@ impl<'v> Params<'v> {
         if ms > 0.0 && ms < 1e-3 {
             return Err(self.err(
                 field,
-                format!("must be 0 (no aging) or at least 0.001 (one microsecond), got {ms}"),
+                format!(
+                    "must be 0 (no aging) or at least 0.001 (one microsecond), got {}",
+                    short_number(ms)
+                ),
             ));
         }
         Ok(ms)
@@ -218,7 +225,10 @@ impl<'v> Params<'v> {
             if !x.is_finite() || x < min || x > max {
                 return Err(self.err(
                     field,
-                    format!("value for {what} `{key}` must be in {min}..={max}, got {x}"),
+                    format!(
+                        "value for {what} `{key}` must be in {min}..={max}, got {}",
+                        short_number(x)
+                    ),
                 ));
             }
             out.insert(key.to_string(), x);
@@ -271,6 +281,24 @@ mod tests {
         assert!(e.contains("`c`"), "{e}");
         assert_eq!(p.f64_in("c", 1.0, 0.0, 10.0), Ok(2.5));
         assert_eq!(p.f64_in("missing", 1.5, 0.0, 10.0), Ok(1.5));
+    }
+
+    /// Numbers past the range are echoed short: `{}` wrote 1e300 as 301 digits and 1e-300
+    /// as 302 characters.
+    #[test]
+    fn numbers_out_of_range_are_echoed_short() {
+        let v = yaml("{big: 1e300, tiny: 1e-300, w: {a: -1e300}}");
+        let p = Params::new("x", &v, &["big", "tiny", "w"]).unwrap();
+        let e = p.f64_in("big", 1.0, 0.0, 10.0).err().unwrap().to_string();
+        assert!(e.ends_with("must be in 0..=10, got 1e300"), "{e}");
+        let e = p.aging_interval_ms("tiny", 1.0).err().unwrap().to_string();
+        assert!(e.ends_with("(one microsecond), got 1e-300"), "{e}");
+        let e = p
+            .map_in("w", "tenant", 1e-3, 1e6)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.ends_with("must be in 0.001..=1000000, got -1e300"), "{e}");
     }
 
     #[test]

@@ -71,7 +71,10 @@ impl ArrivalProcess {
             }
             ArrivalProcess::Gamma { cv, .. } => {
                 if !(cv.is_finite() && cv > 0.0 && cv <= 100.0) {
-                    return Err(format!("gamma cv {cv} must be in (0, 100]"));
+                    return Err(format!(
+                        "gamma cv {} must be in (0, 100]",
+                        crate::spec::short_number(cv)
+                    ));
                 }
                 let shape = 1.0 / (cv * cv);
                 let d = Gamma::new(shape, 1.0 / (rate * shape)).map_err(|e| e.to_string())?;
