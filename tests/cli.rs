@@ -530,6 +530,45 @@ fn threads_beyond_what_model_threads_takes_are_refused() {
     }
 }
 
+/// A negative number given to a numeric flag of `generate` is that flag's value, refused as
+/// out of range and named: `--temperature -1` read as an unknown argument `-1` ("unexpected
+/// argument '-1' found"), which names neither the flag nor what is wrong with it.
+#[test]
+fn a_negative_sampling_flag_is_refused_by_name_not_as_an_unknown_argument() {
+    let model = common::model_path();
+    let generate = |flag: &str| {
+        let mut c = switchyard();
+        c.args([
+            "generate",
+            "--backend",
+            "cpu",
+            "--threads",
+            "2",
+            "--prompt",
+            "hi",
+        ])
+        .arg("--model")
+        .arg(&model)
+        .args([flag, "-1"]);
+        c
+    };
+    for (flag, want) in [
+        ("--temperature", "temperature -1 must be >= 0"),
+        ("--top-p", "top_p -1 must be in (0, 1]"),
+        (
+            "--max-tokens",
+            "invalid value '-1' for '--max-tokens <MAX_TOKENS>'",
+        ),
+        ("--top-k", "invalid value '-1' for '--top-k <TOP_K>'"),
+    ] {
+        let err = fails(&mut generate(flag));
+        assert!(
+            err.contains(want) && !err.contains("unexpected argument"),
+            "{flag} -1: {err}"
+        );
+    }
+}
+
 /// `bench throughput --dataset prompts` and `generate --json-schema` read their file to its
 /// bound: a size checked before reading says nothing of a device or a pipe, and both read
 /// `/dev/zero` until memory ran out (at 4 GiB of address space: "cannot read /dev/zero: out of
