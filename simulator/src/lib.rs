@@ -263,6 +263,8 @@ pub fn run(
     out_dir: &Path,
     progress: bool,
 ) -> Result<(Comparison, OutputFiles), SimError> {
+    // An --out that cannot take the outputs is refused before the run, not after it.
+    outputs::check(out_dir)?;
     let (comparison, runs) = simulate(spec, progress)?;
     let files = write_outputs(out_dir, &comparison, &runs)?;
     Ok((comparison, files))

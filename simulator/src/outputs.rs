@@ -233,13 +233,10 @@ pub fn write_replacing(
     std::fs::rename(&tmp, &path).map_err(|e| SimError::io(&path, e))
 }
 
-/// Prepares `dir` (created if needed) for a run that writes `files`: records them in the
-/// manifest beside the earlier run's, then removes the earlier run's files that are not among
-/// them, and the temporary files ([`write_replacing`]) of either that a stopped run left.
-/// Returns the removed names (of outputs, not of temporary files); call [`finish`] once every
-/// file is written.
-pub fn prepare(dir: &Path, files: &BTreeSet<String>) -> Result<Vec<String>, SimError> {
-    debug_assert!(files.iter().all(|n| is_output_name(n)));
+/// Refuses `dir` as a run's output directory where [`prepare`] would, once the run is done:
+/// a path that is not a directory, or one holding a manifest that `simulate` did not write.
+/// Called before a run too, so that a long simulation does not end in that error.
+pub fn check(dir: &Path) -> Result<(), SimError> {
     if dir.exists() && !dir.is_dir() {
         // create_dir_all's own answer, "File exists", reads as if the directory were in the way.
         return Err(SimError::io(
@@ -249,6 +246,20 @@ pub fn prepare(dir: &Path, files: &BTreeSet<String>) -> Result<Vec<String>, SimE
             ),
         ));
     }
+    if dir.is_dir() {
+        earlier_files(dir)?;
+    }
+    Ok(())
+}
+
+/// Prepares `dir` (created if needed) for a run that writes `files`: records them in the
+/// manifest beside the earlier run's, then removes the earlier run's files that are not among
+/// them, and the temporary files ([`write_replacing`]) of either that a stopped run left.
+/// Returns the removed names (of outputs, not of temporary files); call [`finish`] once every
+/// file is written.
+pub fn prepare(dir: &Path, files: &BTreeSet<String>) -> Result<Vec<String>, SimError> {
+    debug_assert!(files.iter().all(|n| is_output_name(n)));
+    check(dir)?;
     std::fs::create_dir_all(dir).map_err(|e| SimError::io(dir, e))?;
     let earlier = earlier_files(dir)?;
     write_manifest(dir, &earlier.union(files).cloned().collect())?;
