@@ -565,6 +565,25 @@ fn threads_beyond_what_model_threads_takes_are_refused() {
     }
 }
 
+/// An unknown `--backend` is refused before the model loads, by `generate` as by
+/// `bench throughput`: `generate` loaded the model first (minutes for a large GGUF) and only
+/// then said "unknown backend".
+#[test]
+fn an_unknown_backend_is_refused_before_the_model_loads() {
+    for args in [
+        &["bench", "throughput", "--num-prompts", "1"][..],
+        &["generate", "--prompt", "hi", "--max-tokens", "1"][..],
+    ] {
+        let err = fails(switchyard().args(args).args(["--backend", "tpu"]));
+        assert!(
+            err.contains("unknown backend `tpu` (auto, cpu or cuda)")
+                && !err.contains("loading model"),
+            "{}: {err}",
+            args.join(" ")
+        );
+    }
+}
+
 /// A negative number given to a numeric flag of `generate` is that flag's value, refused as
 /// out of range and named: `--temperature -1` read as an unknown argument `-1` ("unexpected
 /// argument '-1' found"), which names neither the flag nor what is wrong with it.
