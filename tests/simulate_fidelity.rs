@@ -345,6 +345,21 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
             .arg(dir.join("bad.json")),
     );
     assert!(err.contains("bad.json"), "{err}");
+    // The calibration itself given for its steps (the YAML, not the .steps.json): the error
+    // names the flag and the file it takes, not only serde's "expected value at line 1".
+    std::fs::write(dir.join("cal.yaml"), "intercept_s: 0.001\n").unwrap();
+    let err = fails(
+        switchyard()
+            .args(["calibrate", "--from-samples"])
+            .arg(dir.join("cal.yaml")),
+    );
+    assert!(
+        err.contains("--from-samples ")
+            && err
+                .contains("cal.yaml: not the measured steps that calibrate writes with --samples")
+            && err.contains("NAME.steps.json"),
+        "{err}"
+    );
 }
 
 /// `switchyard calibrate` prints and records the `slo-aware` parameters its fit implies: for

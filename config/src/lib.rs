@@ -789,7 +789,9 @@ mod tests {
         );
         let e = error("", &["scheduler.policy=fcfs".into()]);
         assert!(
-            !e.contains("PolicySpec") && e.contains("expected a mapping"),
+            !e.contains("PolicySpec")
+                && e.contains("expected a mapping of name and params")
+                && e.contains("`--set scheduler.policy.name=fcfs` sets the name alone"),
             "{e}"
         );
     }

@@ -872,7 +872,13 @@ impl Default for CacheSection {
 
 /// A policy by registered name, with its parameters.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, expecting = "a mapping of name and params")]
+// The expectation says how to set the name alone: `--set scheduler.policy=fcfs` is the
+// likely first try, and "a mapping" did not say which key takes the name.
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping of name and params, as `{ name: fcfs }` \
+                 (`--set scheduler.policy.name=fcfs` sets the name alone)"
+)]
 pub struct PolicySpec {
     /// Registered policy name (`fcfs`, `priority`, `slo-aware`, `chunked-prefill`, `fair-share`,
     /// `prefix-aware`).

@@ -265,6 +265,8 @@ pub fn run(
     out_dir: &Path,
     progress: bool,
 ) -> Result<(Comparison, OutputFiles), SimError> {
+    // An --out that cannot take the outputs is refused before the run, not after it.
+    outputs::check(out_dir)?;
     let (comparison, runs) = simulate(spec, progress)?;
     let files = write_outputs(out_dir, &comparison, &runs)?;
     Ok((comparison, files))
@@ -291,7 +293,9 @@ pub fn write_outputs(
     let removed = outputs::prepare(out_dir, &files)?;
     comparison.write(out_dir)?;
     for r in runs {
-        report::write_requests_jsonl(&out_dir.join(outputs::requests_file(&r.label)), &r.records)?;
+        outputs::write_replacing(out_dir, &outputs::requests_file(&r.label), |p| {
+            report::write_requests_jsonl(p, &r.records)
+        })?;
     }
     let cdf = |f: fn(&report::RequestRecord) -> Option<f64>| -> Vec<(String, Vec<(f64, f64)>)> {
         runs.iter()
@@ -301,16 +305,12 @@ pub fn write_outputs(
             })
             .collect()
     };
-    plot::plot_cdfs(
-        &out_dir.join(outputs::TTFT_CDF_SVG),
-        "Time to first token (CDF)",
-        &cdf(|r| r.ttft_ms),
-    )?;
-    plot::plot_cdfs(
-        &out_dir.join(outputs::E2E_CDF_SVG),
-        "End-to-end latency (CDF)",
-        &cdf(|r| r.e2e_ms),
-    )?;
+    outputs::write_replacing(out_dir, outputs::TTFT_CDF_SVG, |p| {
+        plot::plot_cdfs(p, "Time to first token (CDF)", &cdf(|r| r.ttft_ms))
+    })?;
+    outputs::write_replacing(out_dir, outputs::E2E_CDF_SVG, |p| {
+        plot::plot_cdfs(p, "End-to-end latency (CDF)", &cdf(|r| r.e2e_ms))
+    })?;
     // Every run has one record per trace request, in trace order: the indices of each
     // tier's requests are the same in all of them, found once.
     let mut by_tier: std::collections::BTreeMap<&str, Vec<usize>> = Default::default();
@@ -336,18 +336,22 @@ pub fn write_outputs(
             })
             .collect()
     };
-    plot::plot_series(
-        &out_dir.join(outputs::QUEUE_SVG),
-        "Waiting requests",
-        "requests",
-        &series(|s| f64::from(s.waiting)),
-    )?;
-    plot::plot_series(
-        &out_dir.join(outputs::KV_USAGE_SVG),
-        "KV cache usage",
-        "fraction of blocks",
-        &series(|s| s.kv_usage),
-    )?;
+    outputs::write_replacing(out_dir, outputs::QUEUE_SVG, |p| {
+        plot::plot_series(
+            p,
+            "Waiting requests",
+            "requests",
+            &series(|s| f64::from(s.waiting)),
+        )
+    })?;
+    outputs::write_replacing(out_dir, outputs::KV_USAGE_SVG, |p| {
+        plot::plot_series(
+            p,
+            "KV cache usage",
+            "fraction of blocks",
+            &series(|s| s.kv_usage),
+        )
+    })?;
     outputs::finish(out_dir, &files)?;
     let mut written: Vec<String> = files.into_iter().collect();
     written.push(outputs::MANIFEST.to_string());
@@ -383,18 +387,22 @@ fn write_tier_plots(
         })
     };
     // Debug quotes the name and escapes what a title should not hold (a newline).
-    plot::plot_cdfs_with_target(
-        &out_dir.join(&t.ttft_cdf),
-        &format!("Tier {:?}: time to first token (CDF)", t.tier),
-        &cdf(|r| r.ttft_ms),
-        target("ttft", t.ttft_target_ms).as_ref(),
-    )?;
-    plot::plot_cdfs_with_target(
-        &out_dir.join(&t.tpot_cdf),
-        &format!("Tier {:?}: time per output token (CDF)", t.tier),
-        &cdf(|r| r.tpot_ms),
-        target("tpot", t.tpot_target_ms).as_ref(),
-    )
+    outputs::write_replacing(out_dir, &t.ttft_cdf, |p| {
+        plot::plot_cdfs_with_target(
+            p,
+            &format!("Tier {:?}: time to first token (CDF)", t.tier),
+            &cdf(|r| r.ttft_ms),
+            target("ttft", t.ttft_target_ms).as_ref(),
+        )
+    })?;
+    outputs::write_replacing(out_dir, &t.tpot_cdf, |p| {
+        plot::plot_cdfs_with_target(
+            p,
+            &format!("Tier {:?}: time per output token (CDF)", t.tier),
+            &cdf(|r| r.tpot_ms),
+            target("tpot", t.tpot_target_ms).as_ref(),
+        )
+    })
 }
 
 #[cfg(test)]

@@ -14,6 +14,9 @@
 //! (no path separators), so an edited manifest cannot reach outside the directory or past the
 //! simulator's own file names. A directory written before manifests existed has its
 //! `summary.json`, which names its policies: their `requests-<label>.jsonl` are removed then.
+//! Each output is written under a temporary name (`<name>.tmp`) and renamed over its own once
+//! whole ([`write_replacing`]), so a run stopped while writing (Ctrl-C) leaves no output cut
+//! short; the next run removes such a temporary file of a name it or the manifest lists.
 
 use crate::error::SimError;
 use crate::report::Comparison;
@@ -222,11 +225,35 @@ fn write_manifest(dir: &Path, files: &BTreeSet<String>) -> Result<(), SimError> 
     std::fs::rename(&tmp, &path).map_err(|e| SimError::io(&path, e))
 }
 
-/// Prepares `dir` (created if needed) for a run that writes `files`: records them in the
-/// manifest beside the earlier run's, then removes the earlier run's files that are not among
-/// them. Returns the removed names; call [`finish`] once every file is written.
-pub fn prepare(dir: &Path, files: &BTreeSet<String>) -> Result<Vec<String>, SimError> {
-    debug_assert!(files.iter().all(|n| is_output_name(n)));
+/// The name an output is written under before it is renamed over its own.
+fn partial_name(name: &str) -> String {
+    format!("{name}.tmp")
+}
+
+/// Writes the output `name` of `dir` through `write`, which writes the file at the path it is
+/// given: a temporary file beside it, renamed over `name` once complete, so that a run stopped
+/// part way (Ctrl-C while writing tens of MiB of per-request JSONL) leaves each output either
+/// whole, this run's or the earlier one's, never cut short. A temporary file a stopped run
+/// leaves behind is removed by the next run's [`prepare`]; one whose `write` fails is removed
+/// at once.
+pub fn write_replacing(
+    dir: &Path,
+    name: &str,
+    write: impl FnOnce(&Path) -> Result<(), SimError>,
+) -> Result<(), SimError> {
+    let tmp = dir.join(partial_name(name));
+    if let Err(e) = write(&tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    let path = dir.join(name);
+    std::fs::rename(&tmp, &path).map_err(|e| SimError::io(&path, e))
+}
+
+/// Refuses `dir` as a run's output directory where [`prepare`] would, once the run is done:
+/// a path that is not a directory, or one holding a manifest that `simulate` did not write.
+/// Called before a run too, so that a long simulation does not end in that error.
+pub fn check(dir: &Path) -> Result<(), SimError> {
     if dir.exists() && !dir.is_dir() {
         // create_dir_all's own answer, "File exists", reads as if the directory were in the way.
         return Err(SimError::io(
@@ -236,9 +263,29 @@ pub fn prepare(dir: &Path, files: &BTreeSet<String>) -> Result<Vec<String>, SimE
             ),
         ));
     }
+    if dir.is_dir() {
+        earlier_files(dir)?;
+    }
+    Ok(())
+}
+
+/// Prepares `dir` (created if needed) for a run that writes `files`: records them in the
+/// manifest beside the earlier run's, then removes the earlier run's files that are not among
+/// them, and the temporary files ([`write_replacing`]) of either that a stopped run left.
+/// Returns the removed names (of outputs, not of temporary files); call [`finish`] once every
+/// file is written.
+pub fn prepare(dir: &Path, files: &BTreeSet<String>) -> Result<Vec<String>, SimError> {
+    debug_assert!(files.iter().all(|n| is_output_name(n)));
+    check(dir)?;
     std::fs::create_dir_all(dir).map_err(|e| SimError::io(dir, e))?;
     let earlier = earlier_files(dir)?;
     write_manifest(dir, &earlier.union(files).cloned().collect())?;
+    for name in earlier.union(files) {
+        let tmp = dir.join(partial_name(name));
+        if std::fs::symlink_metadata(&tmp).is_ok_and(|m| m.is_file()) {
+            std::fs::remove_file(&tmp).map_err(|e| SimError::io(&tmp, e))?;
+        }
+    }
     let mut removed = Vec::new();
     for name in earlier.difference(files) {
         let path = dir.join(name);

@@ -932,14 +932,21 @@ impl Comparison {
         s
     }
 
-    /// Writes `summary.json` and `summary.txt` into `dir`.
+    /// Writes `summary.json` and `summary.txt` into `dir`, each through a temporary file
+    /// ([`crate::outputs::write_replacing`]).
     pub fn write(&self, dir: &Path) -> Result<(), SimError> {
-        let json = dir.join(crate::outputs::SUMMARY_JSON);
-        let text = serde_json::to_string_pretty(self)
-            .map_err(|e| SimError::io(&json, std::io::Error::other(e)))?;
-        std::fs::write(&json, text + "\n").map_err(|e| SimError::io(&json, e))?;
-        let txt = dir.join(crate::outputs::SUMMARY_TXT);
-        std::fs::write(&txt, self.to_text()).map_err(|e| SimError::io(&txt, e))
+        let text = serde_json::to_string_pretty(self).map_err(|e| {
+            SimError::io(
+                &dir.join(crate::outputs::SUMMARY_JSON),
+                std::io::Error::other(e),
+            )
+        })?;
+        crate::outputs::write_replacing(dir, crate::outputs::SUMMARY_JSON, |p| {
+            std::fs::write(p, text + "\n").map_err(|e| SimError::io(p, e))
+        })?;
+        crate::outputs::write_replacing(dir, crate::outputs::SUMMARY_TXT, |p| {
+            std::fs::write(p, self.to_text()).map_err(|e| SimError::io(p, e))
+        })
     }
 }
 

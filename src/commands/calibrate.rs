@@ -210,8 +210,14 @@ const POOR_FIT: f64 = 0.25;
 
 fn read_samples(path: &Path) -> anyhow::Result<SamplesFile> {
     let text = super::bench_serve::read_bounded(path, MAX_SAMPLES_FILE)?;
-    let file: SamplesFile =
-        serde_json::from_str(&text).with_context(|| format!("{}", path.display()))?;
+    // The calibration YAML is the likely wrong file here: name the flag and what it takes.
+    let file: SamplesFile = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--from-samples {}: not the measured steps that calibrate writes with --samples \
+             (JSON, by default beside the calibration as NAME.steps.json)",
+            path.display()
+        )
+    })?;
     anyhow::ensure!(
         file.samples.len() <= calibrate::MAX_SAMPLES,
         "{}: {} samples, at most {} are fitted",

@@ -31,6 +31,8 @@ struct Output {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     super::check_threads(args.threads)?;
+    // Before the model loads (minutes for a large one): a misspelt backend is refused at once.
+    let backend_kind = runtime::parse_backend(&args.backend)?;
     let structured = structured_spec(&args)?;
     let path = runtime::resolve_model_path(args.model.as_deref())?;
     let model = runtime::load(&path)?;
@@ -73,7 +75,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         kv_setting_names: switchyard_gpu::KvSettingNames::CONFIG,
     };
     let (backend, _) = runtime::build_backend(
-        runtime::parse_backend(&args.backend)?,
+        backend_kind,
         runtime::ModelSource::Loaded(&model.config, &model.weights),
         &settings,
     )?;

@@ -174,7 +174,18 @@ pub(super) fn read_rows(
             "{}: more than {MAX_ROWS} rows",
             path.display()
         );
-        let line: Line = serde_json::from_str(raw).with_context(|| at("<json>"))?;
+        let line: Line = serde_json::from_str(raw).with_context(|| {
+            // A line that is no JSON object at all (a CSV trace given as the mooncake
+            // dataset) is the wrong file, not a bad row: say so, as `simulate` does.
+            match serde_json::from_str::<serde_json::Value>(raw) {
+                Ok(serde_json::Value::Object(_)) => at("<json>"),
+                _ => format!(
+                    "{}: not a JSON object: a Mooncake trace has one JSON object per line \
+                     (is --dataset-path a Mooncake trace?)",
+                    at("<json>")
+                ),
+            }
+        })?;
         let ms = line.timestamp;
         anyhow::ensure!(
             ms.is_finite() && ms >= 0.0,
@@ -574,6 +585,30 @@ mod tests {
         );
         let e = read("\n\n", SHAPE).unwrap_err();
         assert_eq!(e.to_string(), "mc.jsonl has no rows");
+    }
+
+    /// A file that is not JSON Lines at all (the Azure CSV given as the mooncake dataset) is
+    /// named as the wrong file; a JSON object with a bad field keeps serde's own message.
+    #[test]
+    fn a_file_of_another_format_is_named_as_not_a_mooncake_trace() {
+        let hint = "not a JSON object: a Mooncake trace has one JSON object per line \
+                    (is --dataset-path a Mooncake trace?)";
+        for bad in [
+            "TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n",
+            "[1, 2]\n",
+        ] {
+            let e = format!("{:#}", read(bad, SHAPE).unwrap_err());
+            assert!(e.starts_with("mc.jsonl:1: field <json>: "), "{e}");
+            assert!(e.contains(hint), "{e}");
+        }
+        let e = format!(
+            "{:#}",
+            read(r#"{"timestamp": 5, "input_length": 10}"#, SHAPE).unwrap_err()
+        );
+        assert!(
+            e.contains("missing field `output_length`") && !e.contains(hint),
+            "{e}"
+        );
     }
 
     #[test]
