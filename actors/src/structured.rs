@@ -29,6 +29,14 @@
 //! A stretch past the limits after a free choice is not looked for when the grammar compiles:
 //! see [`GrammarCompiler::compile`].
 //!
+//! Speculative decoding (CUDA backend) computes the mask after each draft with the drafts
+//! committed, then takes them back ([`Constraint::allowed_through`]). A parser limit reached
+//! only along drafts goes with them: the matcher is rebuilt from the tokens before the drafts
+//! (it cannot take tokens back once failed), and the failure is the request's only should the
+//! same tokens be kept, so the outcome is that of one token per step. A limit of llguidance's
+//! lexer (its states, its fuel) stays a failure: its automaton is shared by every copy of the
+//! matcher and stays in error. The CPU backend commits only sampled tokens.
+//!
 //! Grammars compile on a [`CompilePool`] of their own ([`LazyGrammarCompiler::compile_then`]),
 //! never on the threads that encode prompts, and the work of one compile is bounded: by
 //! llguidance's limits, by [`MAX_INTERSECTED_PATTERNS`] (checked before compiling: one step of
@@ -710,13 +718,10 @@ impl GrammarCompiler {
         let end_ids: Arc<[u32]> = end_ids.into();
         Ok((0..n)
             .map(|_| {
-                Constraint::new(GrammarConstraint {
-                    matcher: matcher.deep_clone(),
-                    end_ids: end_ids.clone(),
-                    failure: None,
-                    read: 0,
-                    recent: std::collections::VecDeque::with_capacity(ROLLBACK_WINDOW),
-                })
+                Constraint::new(GrammarConstraint::new(
+                    matcher.deep_clone(),
+                    end_ids.clone(),
+                ))
             })
             .collect())
     }
@@ -1068,16 +1073,69 @@ struct GrammarConstraint {
     /// Whether each of the latest commits (at most [`ROLLBACK_WINDOW`]) reached the matcher
     /// (end ids and commits after the grammar stopped do not), so a rollback takes back
     /// exactly what was consumed.
-    recent: std::collections::VecDeque<bool>,
-    /// Generated tokens the matcher read (commits that reached it, less those taken back):
-    /// where a failure happened.
+    recent: VecDeque<bool>,
+    /// The matcher before the first token: a copy sharing the grammar and the lexer (whose
+    /// cache of states only grows), from which the state before drafts is rebuilt should they
+    /// fail it (see [`TokenConstraint::rollback`] below).
+    origin: Matcher,
+    /// The tokens the matcher consumed, in order (at most the request's `max_tokens`).
+    consumed: Vec<u32>,
+    /// While drafts are committed ([`TokenConstraint::begin_drafts`]): the state before them.
+    drafts: Option<Drafts>,
+    /// A failure that drafts led to, taken back with them; the constraint's own should the
+    /// same tokens be committed.
+    pending: Option<PendingFailure>,
+}
+
+/// A [`GrammarConstraint`]'s state before its drafts, to go back to should they lead to a
+/// failure (a failed llguidance matcher cannot take tokens back). It holds no copy of the
+/// matcher: a copy takes the parser's whole history (about 0.1 ms per step at 4,000 tokens of
+/// JSON), where rebuilding it from [`GrammarConstraint::origin`] (about 2 ms at 4,000) happens
+/// only after such a failure.
+struct Drafts {
+    /// Tokens consumed before the drafts.
     read: usize,
+    recent: VecDeque<bool>,
+    /// The tokens committed since.
+    commits: Vec<u32>,
+    /// The failure they led to, and after how many of them.
+    failed: Option<(usize, DraftFailure)>,
+}
+
+/// A failure that drafts led to.
+struct DraftFailure {
+    /// As [`GrammarConstraint::failure`] words it.
+    failure: String,
+    /// Whether it came from the mask after the last token (else from committing it).
+    in_mask: bool,
+}
+
+/// A failure taken back with the drafts that led to it ([`GrammarConstraint::pending`]).
+struct PendingFailure {
+    /// The tokens, from the state the drafts were taken back to, that led to it.
+    path: Vec<u32>,
+    /// How many of them were committed since.
+    matched: usize,
+    what: DraftFailure,
 }
 
 /// Most commits a [`GrammarConstraint`] can take back (drafts per step are at most 16).
 const ROLLBACK_WINDOW: usize = 32;
 
 impl GrammarConstraint {
+    fn new(matcher: Matcher, end_ids: Arc<[u32]>) -> Self {
+        GrammarConstraint {
+            origin: matcher.clone(),
+            consumed: Vec::new(),
+            matcher,
+            end_ids,
+            failure: None,
+            recent: VecDeque::with_capacity(ROLLBACK_WINDOW),
+            drafts: None,
+            pending: None,
+        }
+    }
+
     fn allow_end(&self, allowed: &mut [u32]) {
         for &t in self.end_ids.iter() {
             if let Some(w) = allowed.get_mut(t as usize / 32) {
@@ -1088,25 +1146,96 @@ impl GrammarConstraint {
 
     /// Records what failed and after how many generated tokens: past llguidance's limits
     /// ([`exceeded_limits`]), with llguidance's first line; else `what` and the whole error.
+    /// After a draft, it is held with the drafts ([`Drafts::failed`]) until they are taken
+    /// back or kept; the constraint allows only the end ids meanwhile.
     fn fail(&mut self, what: &str, e: impl std::fmt::Display) {
         let e = e.to_string();
-        let read = self.read;
-        tracing::warn!(error = %e, read, "structured output: {what} failed; ending the sequence");
-        metrics::counter!(names::STRUCTURED_FAILURES).increment(1);
+        let read = self.consumed.len();
         let after = match read {
             1 => "after 1 generated token".to_owned(),
             n => format!("after {n} generated tokens"),
         };
-        self.failure = Some(if is_limit_error(&e) {
+        let failure = if is_limit_error(&e) {
             format!("{LIMITS_EXCEEDED} {after} ({})", first_line(&e))
         } else {
             format!("{what} failed {after}: {e}")
-        });
+        };
+        // A limit of the lexer stays: its automaton, shared by every copy of the matcher,
+        // stays in error once one is reached.
+        let lexer = first_line(&e).starts_with(&ParserError::LexerError(String::new()).message());
+        if let Some(d) = self
+            .drafts
+            .as_mut()
+            .filter(|d| !d.commits.is_empty() && !lexer)
+        {
+            tracing::debug!(error = %e, read, "structured output: {what} failed after a draft");
+            d.failed = Some((
+                d.commits.len(),
+                DraftFailure {
+                    failure: failure.clone(),
+                    in_mask: what == MASK,
+                },
+            ));
+            self.failure = Some(failure);
+            return;
+        }
+        tracing::warn!(error = %e, read, "structured output: {what} failed; ending the sequence");
+        self.failed(failure);
+    }
+
+    /// Makes `failure` the constraint's.
+    fn failed(&mut self, failure: String) {
+        metrics::counter!(names::STRUCTURED_FAILURES).increment(1);
+        self.failure = Some(failure);
+    }
+
+    /// Whether the tokens of a pending failure were all committed (it came from the mask after
+    /// them: the next mask).
+    fn armed(&self) -> bool {
+        self.pending
+            .as_ref()
+            .is_some_and(|p| p.matched == p.path.len())
+    }
+
+    /// A failure from the mask after drafts that were taken back and then committed: the
+    /// mask here is that one.
+    fn take_armed_failure(&mut self) {
+        if self.armed() {
+            if let Some(p) = self.pending.take() {
+                tracing::warn!("structured output: the token mask failed; ending the sequence");
+                self.failed(p.what.failure);
+            }
+        }
+    }
+
+    /// Follows a pending failure's path with a committed token; true when the failure came
+    /// from committing this very token (it is then the constraint's).
+    fn follow_pending(&mut self, token: u32) -> bool {
+        let Some(p) = self.pending.as_mut() else {
+            return false;
+        };
+        if p.path.get(p.matched) != Some(&token) {
+            self.pending = None;
+            return false;
+        }
+        p.matched += 1;
+        if p.matched < p.path.len() || p.what.in_mask {
+            return false;
+        }
+        if let Some(p) = self.pending.take() {
+            tracing::warn!("structured output: consuming a token failed; ending the sequence");
+            self.failed(p.what.failure);
+        }
+        true
     }
 }
 
+/// What [`GrammarConstraint::fail`] calls a failed mask.
+const MASK: &str = "the token mask";
+
 impl TokenConstraint for GrammarConstraint {
     fn fill_allowed(&mut self, allowed: &mut [u32]) {
+        self.take_armed_failure();
         if self.failure.is_none() {
             match self.matcher.compute_mask_or_eos() {
                 Ok(mask) => {
@@ -1130,9 +1259,9 @@ impl TokenConstraint for GrammarConstraint {
                     if allowed.iter().any(|&w| w != 0) {
                         return;
                     }
-                    self.fail("the token mask", "no token is allowed");
+                    self.fail(MASK, "no token is allowed");
                 }
-                Err(e) => self.fail("the token mask", e),
+                Err(e) => self.fail(MASK, e),
             }
         }
         allowed.fill(0);
@@ -1140,18 +1269,27 @@ impl TokenConstraint for GrammarConstraint {
     }
 
     fn commit(&mut self, token: u32) {
+        // The mask this token was sampled from failed (on drafts, then taken back).
+        self.take_armed_failure();
+        if let Some(d) = self.drafts.as_mut() {
+            d.commits.push(token);
+        }
         if self.recent.len() == ROLLBACK_WINDOW {
             self.recent.pop_front();
         }
         // An end id ends the request wherever it is sampled (the scheduler ends a sequence at
         // one even before `min_tokens`: the sampler lets one through that early only where the
         // grammar allows nothing else), so the grammar never reads one as text.
-        if self.failure.is_some() || self.matcher.is_stopped() || self.end_ids.contains(&token) {
+        if self.failure.is_some()
+            || self.matcher.is_stopped()
+            || self.end_ids.contains(&token)
+            || self.follow_pending(token)
+        {
             self.recent.push_back(false);
             return;
         }
         self.recent.push_back(true);
-        self.read += 1;
+        self.consumed.push(token);
         if let Err(e) = self.matcher.consume_token(token) {
             self.fail("consuming a token", e);
         }
@@ -1165,7 +1303,54 @@ impl TokenConstraint for GrammarConstraint {
         self.failure.clone()
     }
 
+    fn begin_drafts(&mut self) {
+        // A failure from the mask after tokens already committed stays (the mask about to be
+        // computed is that one); any other is not followed further: masks through these
+        // drafts find it again should they follow its path.
+        if !self.armed() {
+            self.pending = None;
+        }
+        // Nothing to go back to where nothing can change: after a failure, or once the
+        // grammar stopped (commits no longer reach the matcher).
+        self.drafts = (self.failure.is_none() && !self.matcher.is_stopped()).then(|| Drafts {
+            read: self.consumed.len(),
+            recent: self.recent.clone(),
+            commits: Vec::new(),
+            failed: None,
+        });
+    }
+
     fn rollback(&mut self, n: usize) -> bool {
+        if let Some(d) = self.drafts.take() {
+            if let Some((at, what)) = d.failed {
+                let Some(kept) = d.commits.len().checked_sub(n).filter(|&k| k < at) else {
+                    // Not taken back: the failure is the constraint's.
+                    tracing::warn!("structured output: a failure after drafts was kept");
+                    self.failed(what.failure);
+                    return false;
+                };
+                self.recent = d.recent;
+                self.failure = None;
+                self.consumed.truncate(d.read);
+                self.matcher = self.origin.clone();
+                if let Err(e) = self.matcher.consume_tokens(&self.consumed) {
+                    self.fail("rebuilding the state before drafts", e);
+                    return false;
+                }
+                for &t in &d.commits[..kept] {
+                    self.commit(t);
+                }
+                self.pending = Some(PendingFailure {
+                    path: d.commits[kept..at].to_vec(),
+                    matched: 0,
+                    what,
+                });
+                return self.failure.is_none();
+            }
+        }
+        if n == 0 {
+            return true;
+        }
         if n > self.recent.len() || self.failure.is_some() {
             return false;
         }
@@ -1176,7 +1361,8 @@ impl TokenConstraint for GrammarConstraint {
         if consumed == 0 {
             return true;
         }
-        self.read = self.read.saturating_sub(consumed);
+        let left = self.consumed.len().saturating_sub(consumed);
+        self.consumed.truncate(left);
         match self.matcher.rollback(consumed) {
             Ok(()) => true,
             Err(e) => {
@@ -2082,6 +2268,196 @@ mod tests {
             a.commit(d);
         }
         assert_eq!(&a.allowed(vocab), one_by_one.last().expect("sets"));
+    }
+
+    /// Walks `c` one token at a time along `path` (each token as it comes: the first, then
+    /// `next` over and over) until it fails, at most `most` tokens; the allowed sets before
+    /// each token and after the last (the one after the failure allows only the end ids),
+    /// the tokens committed, the failure, and the failure as it stood right after the last
+    /// commit (`None` when it came from the mask after it).
+    fn one_at_a_time_until_failure(
+        c: &Constraint,
+        vocab: usize,
+        first: u32,
+        next: u32,
+        most: usize,
+    ) -> (Vec<Vec<u32>>, Vec<u32>, String, Option<String>) {
+        let mut sets = Vec::new();
+        let mut path = Vec::new();
+        let mut after_commit = None;
+        loop {
+            sets.push(c.allowed(vocab));
+            if c.failure().is_some() {
+                break;
+            }
+            assert!(path.len() < most, "no failure within {most} tokens");
+            let t = if path.is_empty() { first } else { next };
+            assert!(
+                is_allowed(sets.last().expect("a set"), t as usize),
+                "{path:?}"
+            );
+            c.commit(t);
+            path.push(t);
+            after_commit = c.failure();
+            if after_commit.is_some() {
+                sets.push(c.allowed(vocab));
+                break;
+            }
+        }
+        let failure = c.failure().expect("failed");
+        (sets, path, failure, after_commit)
+    }
+
+    /// Speculative decoding computes the mask after each draft with the drafts committed, then
+    /// takes them back. A grammar that goes past llguidance's parser limits only along the
+    /// drafts (`"a"` then a right recursion: past a row's items when a token is committed, or
+    /// past a step's items in the mask after one; each limit lowered to be reached within the
+    /// drafts) while the accepted path (`"b"` then `x`s) never does is no failure:
+    /// the outcome is that of decoding one token at a time. The sets through the drafts are
+    /// still those of one token at a time, the one after the failure allowing only the end.
+    /// Should the drafts be accepted after all, the failure is the constraint's, with the words
+    /// one token at a time gives it: at the token whose commit failed, or at the mask after
+    /// the last one (not before: a sequence that stops at that token did not fail). The same
+    /// through an [`Intersection`] (`bad_words` beside the grammar).
+    #[test]
+    fn a_limit_reached_only_on_drafts_goes_with_them() {
+        let tok = tokenizer();
+        let vocab = tok.vocab_size();
+        let end = tok.eos_token_ids()[0];
+        let id = |s: &str| {
+            let ids = tok.encode(s, false).expect("ids");
+            assert_eq!(ids.len(), 1, "{s:?}");
+            ids[0]
+        };
+        let (a, b, x) = (id("a"), id("b"), id("x"));
+        let mut kinds = Vec::new();
+        for (limits, grammar, next) in [
+            (
+                ParserLimits {
+                    max_items_in_row: 12,
+                    ..ParserLimits::default()
+                },
+                "start: \"a\" s | \"b\" t\ns: \"x\" s | \"x\"\nt: /x+/\n",
+                x,
+            ),
+            (
+                ParserLimits {
+                    step_max_items: 40,
+                    ..ParserLimits::default()
+                },
+                "start: \"a\" s | \"b\" t\ns: \"a\" s | \"a\"\nt: /x+/\n",
+                a,
+            ),
+        ] {
+            let compiler = GrammarCompiler::with_limits(tok.clone(), limits).expect("compiler");
+            let spec = StructuredOutput::Grammar(grammar.into());
+            let fresh = || {
+                compiler
+                    .compile(&spec, &[end], 1)
+                    .expect("compiles")
+                    .remove(0)
+            };
+            let (mut sets, path, failure, after_commit) =
+                one_at_a_time_until_failure(&fresh(), vocab, a, next, 12);
+            assert!(exceeded_limits(&failure), "{failure}");
+            assert!(path.len() >= 2, "{grammar:?} failed at {path:?}");
+            kinds.push(after_commit.is_some());
+            // One more draft, after the failure: not allowed, its set repeats.
+            let mut drafts = path.clone();
+            drafts.push(next);
+            sets.push(sets.last().expect("sets").clone());
+            let wrappers: [fn(Constraint) -> Constraint; 2] = [
+                |g| g,
+                |g| {
+                    let words: Arc<[Vec<u32>]> = vec![vec![7, 7]].into();
+                    Constraint::new(switchyard_gpu::Intersection::new(
+                        vec![Box::new(g), Box::new(switchyard_gpu::BadWords::new(words))],
+                        vec![0].into(),
+                    ))
+                },
+            ];
+            for wrap in wrappers {
+                // Rejected: the accepted path goes on as if the drafts had never been.
+                let (g, plain) = (fresh(), fresh());
+                let c = wrap(g.clone());
+                assert_eq!(c.allowed_through(vocab, &drafts), sets, "{grammar:?}");
+                assert_eq!(
+                    g.failure(),
+                    None,
+                    "{grammar:?}: a failure on rejected drafts"
+                );
+                for i in 0..20 {
+                    let want = plain.allowed(vocab);
+                    assert_eq!(g.allowed(vocab), want, "{grammar:?}: token {i}");
+                    let t = if i == 0 { b } else { x };
+                    assert!(is_allowed(&want, t as usize));
+                    g.commit(t);
+                    plain.commit(t);
+                }
+                assert_eq!(g.failure(), None);
+                // Accepted, then the end sampled from the set after the failure.
+                let g = fresh();
+                let c = wrap(g.clone());
+                assert_eq!(c.allowed_through(vocab, &drafts), sets);
+                assert_eq!(g.failure(), None);
+                c.commit_all(&path);
+                assert_eq!(g.failure(), after_commit, "{grammar:?}");
+                c.commit(end);
+                assert_eq!(g.failure(), Some(failure.clone()), "{grammar:?}");
+                // Accepted up to the failure, then a token the grammar allows there: the
+                // failure stands where it came from the commit; from the mask, the mask after
+                // the drafts was never computed on this path, so it is not one.
+                let g = fresh();
+                assert_eq!(g.allowed_through(vocab, &drafts), sets);
+                g.commit_all(&path[..path.len() - 1]);
+                assert_eq!(g.failure(), None);
+                // A draft round on the accepted path reaches the same failure.
+                let through = g.allowed_through(vocab, &path[path.len() - 1..]);
+                assert_eq!(through, sets[path.len() - 1..=path.len()]);
+                assert_eq!(g.failure(), None);
+                // Its state rebuilt from the tokens before the drafts.
+                assert_eq!(g.allowed(vocab), sets[path.len() - 1]);
+                g.commit(path[path.len() - 1]);
+                g.commit(end);
+                assert_eq!(g.failure(), Some(failure.clone()), "{grammar:?}");
+            }
+        }
+        assert_eq!(kinds, [true, false], "a failed commit, then a failed mask");
+    }
+
+    /// A limit of llguidance's lexer (its fuel for one step, its states) reached along drafts
+    /// stays a failure even when they are taken back: its automaton is shared by every copy
+    /// of the matcher and stays in error once a limit is reached, so the accepted path could
+    /// not go on anyway. Should llguidance's lexer start to take that back, this fails.
+    #[test]
+    fn a_lexer_limit_reached_on_drafts_stays_a_failure() {
+        let tok = tokenizer();
+        let vocab = tok.vocab_size();
+        let end = tok.eos_token_ids()[0];
+        let a = tok.encode("a", false).expect("ids")[0];
+        let limits = ParserLimits {
+            step_lexer_fuel: 200,
+            ..ParserLimits::default()
+        };
+        let compiler = GrammarCompiler::with_limits(tok.clone(), limits).expect("compiler");
+        let spec =
+            StructuredOutput::Grammar("start: \"a\" /(a|b)*a(a|b){12}/ | \"b\" /x+/\n".into());
+        let fresh = || {
+            compiler
+                .compile(&spec, &[end], 1)
+                .expect("compiles")
+                .remove(0)
+        };
+        let (_, path, failure, after_commit) =
+            one_at_a_time_until_failure(&fresh(), vocab, a, a, 12);
+        assert!(
+            failure.contains("lexer error: too many expressions constructed"),
+            "{failure}"
+        );
+        assert_eq!(after_commit, None, "from the mask");
+        let g = fresh();
+        g.allowed_through(vocab, &path);
+        assert_eq!(g.failure(), Some(failure));
     }
 
     #[test]

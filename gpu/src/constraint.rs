@@ -29,10 +29,17 @@ pub trait TokenConstraint: Send {
     fn can_roll_back(&self) -> bool {
         false
     }
-    /// Takes back the last `n` commits (at most a few); false when it cannot.
+    /// Takes back the last `n` commits (at most a few); false when it cannot. Also ends the
+    /// drafts begun by [`TokenConstraint::begin_drafts`] (`n` may be 0).
     fn rollback(&mut self, n: usize) -> bool {
         n == 0
     }
+    /// Says that the commits from here to the next [`TokenConstraint::rollback`] are
+    /// speculative drafts ([`Constraint::allowed_through`]), all taken back by it: a failure
+    /// that they lead to (a grammar past its parser's limits after a draft) must go with them,
+    /// and be the constraint's only should the same tokens be committed again. Only a
+    /// constraint that can fail needs it.
+    fn begin_drafts(&mut self) {}
     /// What went wrong, when the constraint failed while generating (from then on it allows
     /// only the end-of-sequence tokens, so the output so far does not complete it).
     fn failure(&self) -> Option<String> {
@@ -94,13 +101,16 @@ impl Constraint {
 
     /// The allowed sets before each of `drafts` and after the last (`drafts.len() + 1` sets of
     /// `vocab` bits), as one-token steps would see them had the drafts been sampled; the
-    /// constraint's state is left as it was. A draft that its set does not allow is not
-    /// committed, and the sets after it repeat the one before (its row cannot keep the draft,
-    /// so those rows go unused).
+    /// constraint's state is left as it was ([`TokenConstraint::begin_drafts`]: a failure
+    /// that only the drafts led to is taken back with them). A draft that its set does not
+    /// allow is not committed, and the sets after it repeat the one before (its row cannot
+    /// keep the draft, so those rows go unused). After a failure the sets allow only the end
+    /// ids, so the drafts after it are not committed: the row after it can keep none.
     pub fn allowed_through(&self, vocab: usize, drafts: &[u32]) -> Vec<Vec<u32>> {
         let mut out: Vec<Vec<u32>> = Vec::with_capacity(drafts.len() + 1);
         let mut committed = 0;
         let mut blocked = false;
+        self.0.lock().begin_drafts();
         for i in 0..=drafts.len() {
             let set = match (blocked, out.last()) {
                 (true, Some(last)) => last.clone(),
@@ -116,7 +126,7 @@ impl Constraint {
             }
             out.push(set);
         }
-        if committed > 0 && !self.0.lock().rollback(committed) {
+        if !self.0.lock().rollback(committed) {
             tracing::warn!("a constraint could not take back {committed} drafts");
         }
         out

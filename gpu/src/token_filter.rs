@@ -144,6 +144,10 @@ impl TokenConstraint for Constraint {
         self.with(|c| c.rollback(n))
     }
 
+    fn begin_drafts(&mut self) {
+        self.with(|c| c.begin_drafts());
+    }
+
     fn failure(&self) -> Option<String> {
         Constraint::failure(self)
     }
@@ -211,6 +215,12 @@ impl TokenConstraint for Intersection {
             all &= part.rollback(n);
         }
         all
+    }
+
+    fn begin_drafts(&mut self) {
+        for part in &mut self.parts {
+            part.begin_drafts();
+        }
     }
 
     fn failure(&self) -> Option<String> {
