@@ -103,11 +103,11 @@ pub struct SimulateArgs {
     /// Hardware preset for the step-cost model (`h200`).
     #[arg(long, default_value = "h200")]
     pub hardware: String,
-    /// Offered load as a fraction of the estimated capacity (instead of --rate).
+    /// Offered load as a fraction of the estimated capacity (instead of --rate; 0.001 to 100).
     #[arg(long, conflicts_with = "rate", allow_negative_numbers = true)]
     pub load: Option<f64>,
     /// Divide the trace's (or mooncake's) arrival times by this factor (2 = replay twice as
-    /// fast; finite, > 0).
+    /// fast; 1e-6 to 1e6).
     #[arg(long, allow_negative_numbers = true)]
     pub time_scale: Option<f64>,
     /// Output directory for the summary, per-request JSONL and SVG plots.
@@ -356,7 +356,7 @@ pub struct ServeBenchArgs {
     #[arg(long)]
     pub max_concurrency: Option<usize>,
     /// Divide the trace's (or mooncake's) arrival times by this factor (2 = replay twice as
-    /// fast; finite, > 0).
+    /// fast; 1e-6 to 1e6).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub time_scale: f64,
     /// Generate exactly the requested output lengths.
