@@ -1147,7 +1147,9 @@ impl GrammarConstraint {
     /// Records what failed and after how many generated tokens: past llguidance's limits
     /// ([`exceeded_limits`]), with llguidance's first line; else `what` and the whole error.
     /// After a draft, it is held with the drafts ([`Drafts::failed`]) until they are taken
-    /// back or kept; the constraint allows only the end ids meanwhile.
+    /// back or kept; the constraint allows only the end ids meanwhile, and its
+    /// [`TokenConstraint::failure`] stays `None` (read on another thread, that of the
+    /// detokenizer, while drafts may be committed here).
     fn fail(&mut self, what: &str, e: impl std::fmt::Display) {
         let e = e.to_string();
         let read = self.consumed.len();
@@ -1172,15 +1174,20 @@ impl GrammarConstraint {
             d.failed = Some((
                 d.commits.len(),
                 DraftFailure {
-                    failure: failure.clone(),
+                    failure,
                     in_mask: what == MASK,
                 },
             ));
-            self.failure = Some(failure);
             return;
         }
         tracing::warn!(error = %e, read, "structured output: {what} failed; ending the sequence");
         self.failed(failure);
+    }
+
+    /// Whether the constraint allows only its end ids: it failed, or its drafts led to a
+    /// failure (not its own unless they are kept).
+    fn ended(&self) -> bool {
+        self.failure.is_some() || self.drafts.as_ref().is_some_and(|d| d.failed.is_some())
     }
 
     /// Makes `failure` the constraint's.
@@ -1236,7 +1243,7 @@ const MASK: &str = "the token mask";
 impl TokenConstraint for GrammarConstraint {
     fn fill_allowed(&mut self, allowed: &mut [u32]) {
         self.take_armed_failure();
-        if self.failure.is_none() {
+        if !self.ended() {
             match self.matcher.compute_mask_or_eos() {
                 Ok(mask) => {
                     let src = mask.as_slice();
@@ -1280,7 +1287,7 @@ impl TokenConstraint for GrammarConstraint {
         // An end id ends the request wherever it is sampled (the scheduler ends a sequence at
         // one even before `min_tokens`: the sampler lets one through that early only where the
         // grammar allows nothing else), so the grammar never reads one as text.
-        if self.failure.is_some()
+        if self.ended()
             || self.matcher.is_stopped()
             || self.end_ids.contains(&token)
             || self.follow_pending(token)
@@ -1330,7 +1337,6 @@ impl TokenConstraint for GrammarConstraint {
                     return false;
                 };
                 self.recent = d.recent;
-                self.failure = None;
                 self.consumed.truncate(d.read);
                 self.matcher = self.origin.clone();
                 if let Err(e) = self.matcher.consume_tokens(&self.consumed) {
@@ -2423,6 +2429,76 @@ mod tests {
             }
         }
         assert_eq!(kinds, [true, false], "a failed commit, then a failed mask");
+    }
+
+    /// While drafts are committed, a failure they led to is not the constraint's: its
+    /// `failure()` stays `None` until they are taken back (then none) or kept. The detokenizer
+    /// reads `failure()` on its own thread when a choice finishes (a stop string) while the
+    /// backend may be between the locked calls of `allowed_through` for a later step of that
+    /// sequence; a failure seen there failed a request that had none. A part of an
+    /// [`Intersection`] beside the grammar reads it at each of those calls here.
+    #[test]
+    fn a_failure_on_drafts_is_not_seen_while_they_are_committed() {
+        struct Spy {
+            grammar: Constraint,
+            seen: Arc<std::sync::Mutex<Vec<Option<String>>>>,
+        }
+        impl TokenConstraint for Spy {
+            fn fill_allowed(&mut self, allowed: &mut [u32]) {
+                self.seen.lock().expect("seen").push(self.grammar.failure());
+                allowed.fill(!0);
+            }
+            fn commit(&mut self, _: u32) {
+                self.seen.lock().expect("seen").push(self.grammar.failure());
+            }
+            fn can_roll_back(&self) -> bool {
+                true
+            }
+            fn rollback(&mut self, _: usize) -> bool {
+                true
+            }
+        }
+        let tok = tokenizer();
+        let vocab = tok.vocab_size();
+        let end = tok.eos_token_ids()[0];
+        let id = |s: &str| tok.encode(s, false).expect("ids")[0];
+        let (a, x) = (id("a"), id("x"));
+        let limits = ParserLimits {
+            max_items_in_row: 12,
+            ..ParserLimits::default()
+        };
+        let compiler = GrammarCompiler::with_limits(tok.clone(), limits).expect("compiler");
+        let spec = StructuredOutput::Grammar(
+            "start: \"a\" s | \"b\" t\ns: \"x\" s | \"x\"\nt: /x+/\n".into(),
+        );
+        let fresh = || {
+            compiler
+                .compile(&spec, &[end], 1)
+                .expect("compiles")
+                .remove(0)
+        };
+        let (_, path, failure, _) = one_at_a_time_until_failure(&fresh(), vocab, a, x, 12);
+        let g = fresh();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let c = Constraint::new(switchyard_gpu::Intersection::new(
+            vec![
+                Box::new(g.clone()),
+                Box::new(Spy {
+                    grammar: g.clone(),
+                    seen: seen.clone(),
+                }),
+            ],
+            vec![end].into(),
+        ));
+        c.allowed_through(vocab, &path);
+        let seen = seen.lock().expect("seen").clone();
+        assert_eq!(seen.len(), 2 * path.len() + 1, "every draft committed");
+        assert!(seen.iter().all(Option::is_none), "{seen:?}");
+        assert_eq!(g.failure(), None);
+        // Kept after all: the failure is the constraint's.
+        c.commit_all(&path);
+        c.commit(end);
+        assert_eq!(g.failure(), Some(failure));
     }
 
     /// A limit of llguidance's lexer (its fuel for one step, its states) reached along drafts
