@@ -261,7 +261,11 @@ fn simulate_replaces_its_outputs_whole_and_clears_a_stopped_runs_temporary_files
     );
     // What a run stopped while writing requests-priority.jsonl leaves, and a user's own file.
     std::fs::write(out.join("requests-priority.jsonl.tmp"), "{\"id\":").unwrap();
-    std::fs::write(out.join("notes.txt.tmp"), "mine").unwrap();
+    // Named like an output's temporary file, but of no output this run or the manifest names.
+    let mine = ["notes.txt.tmp", "requests-mine.jsonl.tmp"];
+    for m in mine {
+        std::fs::write(out.join(m), "mine").unwrap();
+    }
     succeeds(&mut simulate());
     for (name, ino, text) in &outputs {
         let now = std::fs::metadata(out.join(name)).unwrap();
@@ -273,14 +277,13 @@ fn simulate_replaces_its_outputs_whole_and_clears_a_stopped_runs_temporary_files
         );
     }
     assert!(!out.join("requests-priority.jsonl.tmp").exists());
-    assert_eq!(
-        std::fs::read_to_string(out.join("notes.txt.tmp")).unwrap(),
-        "mine"
-    );
+    for m in mine {
+        assert_eq!(std::fs::read_to_string(out.join(m)).unwrap(), "mine", "{m}");
+    }
     let left: Vec<String> = std::fs::read_dir(&out)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .filter(|n| n.ends_with(".tmp") && n != "notes.txt.tmp")
+        .filter(|n| n.ends_with(".tmp") && !mine.contains(&n.as_str()))
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
