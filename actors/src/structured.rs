@@ -1691,19 +1691,15 @@ mod tests {
         let tok = tokenizer();
         let compiler = GrammarCompiler::new(tok.clone()).expect("compiler");
         let end = [tok.eos_token_ids()[0]];
+        // The words "it forces at least" are this check's, not llguidance's: the regex was
+        // refused before llguidance compiled it (which took seconds for the first).
         for regex in ["a{1000}{1000}", "(ab){262145}", "x(a{1000}){525}y?"] {
-            let t0 = Instant::now();
             let e = compiler
                 .compile(&StructuredOutput::Regex(regex.into()), &end, 1)
                 .expect_err(regex);
             assert!(
                 e.starts_with("invalid structured output specification: the output it forces from its start exceeds the parser's limits (it forces at least "),
                 "{regex}: {e}"
-            );
-            assert!(
-                t0.elapsed() < Duration::from_millis(500),
-                "{regex}: {:?}",
-                t0.elapsed()
             );
         }
         for regex in [
