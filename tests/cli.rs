@@ -587,6 +587,35 @@ fn an_unknown_backend_is_refused_before_the_model_loads() {
     }
 }
 
+/// A dataset file that is not there is named before the model loads (a large model takes
+/// minutes): it was read only once the weights were in memory.
+#[test]
+fn bench_throughput_names_a_missing_dataset_before_the_model_loads() {
+    let missing = temp_dir("bench-missing-dataset").join("nope.csv");
+    for dataset in ["sharegpt", "prompts", "mooncake"] {
+        // A model path that is not a model: loading it would fail with "loading model".
+        let err = fails(
+            switchyard()
+                .args([
+                    "bench",
+                    "throughput",
+                    "--backend",
+                    "cpu",
+                    "--dataset",
+                    dataset,
+                ])
+                .args(["--model", "/nonexistent/model.gguf"])
+                .arg("--dataset-path")
+                .arg(&missing),
+        );
+        assert!(
+            err.contains(&format!("the dataset file {}", missing.display()))
+                && !err.contains("model.gguf"),
+            "{dataset}: {err}"
+        );
+    }
+}
+
 /// A negative number given to a numeric flag of `generate` is that flag's value, refused as
 /// out of range and named: `--temperature -1` read as an unknown argument `-1` ("unexpected
 /// argument '-1' found"), which names neither the flag nor what is wrong with it.

@@ -25,6 +25,22 @@ const MAX_PROMPTS: usize = 100_000;
 const KV_MB: usize = 2048;
 /// The mooncake dataset's default file, relative to the current directory.
 const MOONCAKE_DEFAULT_PATH: &str = "../shared/traces/synthetic_trace.jsonl";
+/// The sharegpt dataset's file when --dataset-path is not given.
+const SHAREGPT_DEFAULT_PATH: &str =
+    "../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv";
+
+/// The file `bench throughput` reads its dataset from (`None`: random lengths, no file).
+fn dataset_file(args: &ThroughputArgs) -> Option<std::path::PathBuf> {
+    let default = match args.dataset {
+        BenchDataset::Random => return None,
+        BenchDataset::Sharegpt => Some(SHAREGPT_DEFAULT_PATH),
+        BenchDataset::Mooncake => Some(MOONCAKE_DEFAULT_PATH),
+        BenchDataset::Prompts => None,
+    };
+    args.dataset_path
+        .clone()
+        .or_else(|| default.map(Into::into))
+}
 /// The first token id of the mooncake dataset's blocks and how many ids they are drawn from:
 /// `bench serve`'s defaults (--token-offset, --token-range), so both send the same prompts
 /// for a row and a seed; the range is narrowed to a smaller vocabulary.
@@ -213,10 +229,7 @@ type MooncakeRun = ((usize, usize), Option<Arc<[u64]>>);
 /// --dataset-path (default [`MOONCAKE_DEFAULT_PATH`]) as `bench serve` reads them. Each
 /// prompt and its output must fit the model's context `max_model_len`.
 fn mooncake_rows(args: &ThroughputArgs, max_model_len: usize) -> anyhow::Result<Vec<MooncakeRun>> {
-    let path = args
-        .dataset_path
-        .clone()
-        .unwrap_or_else(|| MOONCAKE_DEFAULT_PATH.into());
+    let path = dataset_file(args).unwrap_or_else(|| MOONCAKE_DEFAULT_PATH.into());
     let text = read_bounded(&path, MAX_DATASET_BYTES).with_context(|| {
         format!(
             "the mooncake dataset {} (pass another with --dataset-path)",
@@ -297,6 +310,16 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             switchyard_gpu::backend::MAX_LOGIT_ROWS
         );
     }
+    // A dataset file that is not there is named before the model loads (minutes for a large
+    // one); only looked at (a FIFO opened and closed unread would end its writer).
+    if let Some(file) = dataset_file(&args) {
+        std::fs::metadata(&file).with_context(|| {
+            format!(
+                "the dataset file {} (pass another with --dataset-path)",
+                file.display()
+            )
+        })?;
+    }
     // Real weights from a file, or random weights of a named architecture.
     let loaded = match &args.dummy {
         Some(_) => None,
@@ -353,9 +376,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             vec![(args.input_len, args.output_len); n]
         }
         BenchDataset::Sharegpt => {
-            let file = args.dataset_path.clone().unwrap_or_else(|| {
-                "../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv".into()
-            });
+            let file = dataset_file(&args).unwrap_or_else(|| SHAREGPT_DEFAULT_PATH.into());
             let all = sharegpt_lengths(&file, max_model_len).with_context(|| {
                 format!(
                     "the sharegpt dataset {} (pass another with --dataset-path)",
