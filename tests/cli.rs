@@ -7,6 +7,25 @@ use common::{fails, succeeds, switchyard, Server, TempDir};
 use std::path::PathBuf;
 use std::process::Command;
 
+/// `simulate` of the JSON Lines trace at `trace` under `policies`, into `out`.
+fn simulate_jsonl(trace: &std::path::Path, policies: &str, out: &std::path::Path) -> Command {
+    let mut cmd = switchyard();
+    cmd.args(["simulate", "--format", "jsonl", "--policies", policies])
+        .arg("--trace")
+        .arg(trace)
+        .arg("--out")
+        .arg(out);
+    cmd
+}
+
+/// [`simulate_jsonl`] of config/examples' sample trace with its tiers (multi-tenant.yaml).
+fn simulate_sample(policies: &str, out: &std::path::Path) -> Command {
+    let examples = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples");
+    let mut cmd = simulate_jsonl(&examples.join("sim-sample-trace.jsonl"), policies, out);
+    cmd.arg("--tiers").arg(examples.join("multi-tenant.yaml"));
+    cmd
+}
+
 fn temp_dir(name: &str) -> TempDir {
     common::temp_dir("cli", name)
 }
@@ -146,24 +165,7 @@ fn simulate_writes_summary_requests_and_plots_for_each_policy() {
 #[test]
 fn simulate_into_the_same_out_keeps_only_this_runs_files_and_the_users() {
     let dir = temp_dir("simulate-rerun");
-    let examples = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples");
-    let simulate = |policies: &str| {
-        let mut cmd = switchyard();
-        cmd.args([
-            "simulate",
-            "--format",
-            "jsonl",
-            "--policies",
-            policies,
-            "--trace",
-        ])
-        .arg(examples.join("sim-sample-trace.jsonl"))
-        .arg("--tiers")
-        .arg(examples.join("multi-tenant.yaml"))
-        .arg("--out")
-        .arg(&dir);
-        cmd
-    };
+    let simulate = |policies: &str| simulate_sample(policies, &dir);
     std::fs::write(dir.join("notes.txt"), "mine").unwrap();
     std::fs::write(dir.join("requests-mine.jsonl"), "mine").unwrap();
     succeeds(&mut simulate("fcfs,priority"));
@@ -225,24 +227,7 @@ fn simulate_replaces_its_outputs_whole_and_clears_a_stopped_runs_temporary_files
     let out = dir.join("out");
     let saved = dir.join("saved");
     std::fs::create_dir_all(&saved).unwrap();
-    let examples = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples");
-    let simulate = || {
-        let mut cmd = switchyard();
-        cmd.args([
-            "simulate",
-            "--format",
-            "jsonl",
-            "--policies",
-            "fcfs,priority",
-        ])
-        .arg("--trace")
-        .arg(examples.join("sim-sample-trace.jsonl"))
-        .arg("--tiers")
-        .arg(examples.join("multi-tenant.yaml"))
-        .arg("--out")
-        .arg(&out);
-        cmd
-    };
+    let simulate = || simulate_sample("fcfs,priority", &out);
     succeeds(&mut simulate());
     let outputs: Vec<(String, u64, String)> = std::fs::read_dir(&out)
         .unwrap()
@@ -883,21 +868,8 @@ fn simulate_reads_a_trace_from_a_pipe_or_a_named_pipe_as_from_a_file() {
         .collect();
     let file = dir.join("t.jsonl");
     std::fs::write(&file, &trace).unwrap();
-    let simulate = |input: &std::path::Path, out: &str| {
-        let mut cmd = switchyard();
-        cmd.args([
-            "simulate",
-            "--format",
-            "jsonl",
-            "--policies",
-            "fcfs,priority",
-        ])
-        .arg("--trace")
-        .arg(input)
-        .arg("--out")
-        .arg(dir.join(out));
-        cmd
-    };
+    let simulate =
+        |input: &std::path::Path, out: &str| simulate_jsonl(input, "fcfs,priority", &dir.join(out));
     let summary = |out: &str| -> serde_json::Value {
         let text = std::fs::read_to_string(dir.join(out).join("summary.json")).unwrap();
         serde_json::from_str(&text).unwrap()

@@ -481,18 +481,7 @@ fn check_arrival_span(args: &ServeBenchArgs, span_s: f64) -> anyhow::Result<()> 
 
 /// Reads a text file of at most `max` bytes; a larger one is an error, not a truncation.
 pub(super) fn read_bounded(path: &Path, max: u64) -> anyhow::Result<String> {
-    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut bytes = Vec::new();
-    file.take(max.saturating_add(1))
-        .read_to_end(&mut bytes)
-        .with_context(|| format!("reading {}", path.display()))?;
-    // The size first: the bound may fall inside a character of several bytes.
-    anyhow::ensure!(
-        bytes.len() as u64 <= max,
-        "{} is larger than {max} bytes",
-        path.display()
-    );
-    String::from_utf8(bytes).with_context(|| format!("reading {}: not UTF-8 text", path.display()))
+    read_dataset(path, max, None)
 }
 
 /// How a dataset file must begin, checked as soon as enough of it has been read, so that
@@ -509,14 +498,18 @@ pub(super) enum DatasetStart<'a> {
 /// Longest CSV header read before a file without one (no line end yet) is refused.
 const MAX_CSV_HEADER_BYTES: usize = 1 << 20;
 
-/// [`read_bounded`] for a dataset: read in pieces, and refused as soon as its beginning is
-/// not what `start` says (the header line's columns, a JSON object), naming the file and
-/// what is wrong. Pipes (`/dev/stdin`) are read as files are.
-pub(super) fn read_dataset(path: &Path, max: u64, start: DatasetStart) -> anyhow::Result<String> {
+/// [`read_bounded`], read in pieces, and for a dataset (`start`) refused as soon as its
+/// beginning is not what `start` says (the header line's columns, a JSON object), naming the
+/// file and what is wrong. Pipes (`/dev/stdin`) are read as files are.
+pub(super) fn read_dataset(
+    path: &Path,
+    max: u64,
+    start: Option<DatasetStart>,
+) -> anyhow::Result<String> {
     let mut file =
         std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     let mut bytes = Vec::new();
-    let mut checked = false;
+    let mut checked = start.is_none();
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
         let n = match file.read(&mut chunk) {
@@ -525,12 +518,13 @@ pub(super) fn read_dataset(path: &Path, max: u64, start: DatasetStart) -> anyhow
             Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
         };
         bytes.extend_from_slice(&chunk[..n]);
+        // The size before the text: the bound may fall inside a character of several bytes.
         anyhow::ensure!(
             bytes.len() as u64 <= max,
             "{} is larger than {max} bytes",
             path.display()
         );
-        if !checked {
+        if let (false, Some(start)) = (checked, start) {
             checked = check_dataset_start(path, &bytes, start, n == 0)?;
         }
         if n == 0 {
@@ -606,7 +600,7 @@ fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<R
                 .dataset_path
                 .clone()
                 .context("--dataset-path is required for the mooncake dataset")?;
-            let text = read_dataset(&path, MAX_DATASET_BYTES, DatasetStart::JsonObjects)?;
+            let text = read_dataset(&path, MAX_DATASET_BYTES, Some(DatasetStart::JsonObjects))?;
             let rows =
                 mooncake::read_rows(&path, &text, row_shape(args), args.mooncake.skip_rows, n)?;
             Ok(rows.into_iter().map(Row::from).collect())
@@ -621,7 +615,7 @@ fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<R
             } else {
                 &["ContextTokens", "GeneratedTokens", "TIMESTAMP"]
             };
-            let text = read_dataset(&path, MAX_DATASET_BYTES, DatasetStart::Csv(names))?;
+            let text = read_dataset(&path, MAX_DATASET_BYTES, Some(DatasetStart::Csv(names)))?;
             let (text, c) = csv_columns(&path, &text, names)?;
             let (prompt_col, output_col, ts_col) = (c[0], c[1], c.get(2).copied());
             let header: Vec<&str> = text
@@ -2025,6 +2019,18 @@ mod tests {
         );
     }
 
+    /// The figures of `ok` over `secs` with no goodput, no client queue and the default
+    /// metrics.
+    fn plain_figures(ok: &[&Sample], secs: f64) -> Figures {
+        Figures::of(
+            ok,
+            secs,
+            None,
+            QueueFigures::default(),
+            &Selection::default(),
+        )
+    }
+
     /// A successful sample sent `sent_ms` after `base`: its TTFT, gaps and E2E latency in
     /// seconds, its output and prompt tokens.
     fn timed(
@@ -2079,13 +2085,7 @@ mod tests {
             (3, 1, 16)
         );
         let close = |x: f64, want: f64| (x - want).abs() < 1e-9;
-        let f = Figures::of(
-            &counted.ok,
-            2.0,
-            None,
-            QueueFigures::default(),
-            &Selection::default(),
-        );
+        let f = plain_figures(&counted.ok, 2.0);
         assert_eq!((f.completed, f.input, f.output, f.good), (3, 16, 6, None));
         assert!(close(f.rate(f.completed), 1.5));
         assert!(close(f.rate(f.output), 3.0) && close(f.rate(f.input + f.output), 11.0));
@@ -2240,13 +2240,7 @@ mod tests {
         ];
         let counted = Counted::of(&samples);
         assert_eq!(counted.input, usize::MAX);
-        let f = Figures::of(
-            &counted.ok,
-            1.0,
-            None,
-            QueueFigures::default(),
-            &Selection::default(),
-        );
+        let f = plain_figures(&counted.ok, 1.0);
         assert_eq!((f.input, f.output), (usize::MAX, usize::MAX));
         let mut result = json!({});
         f.add_to(&mut result);
@@ -2355,11 +2349,11 @@ mod tests {
         let dir = crate::scratch::ScratchDir::new("bench-dataset-start");
         let path = dir.join("d");
         let cols = DatasetStart::Csv(&["num_prefill_tokens", "num_decode_tokens"]);
-        let read = |start| read_dataset(&path, MAX_DATASET_BYTES, start);
+        let read = |start| read_dataset(&path, MAX_DATASET_BYTES, Some(start));
         let zero = Path::new("/dev/zero");
         let e = format!(
             "{:#}",
-            read_dataset(zero, MAX_DATASET_BYTES, DatasetStart::JsonObjects).unwrap_err()
+            read_dataset(zero, MAX_DATASET_BYTES, Some(DatasetStart::JsonObjects)).unwrap_err()
         );
         assert_eq!(
             e,
@@ -2367,7 +2361,7 @@ mod tests {
         );
         let e = format!(
             "{:#}",
-            read_dataset(zero, MAX_DATASET_BYTES, cols).unwrap_err()
+            read_dataset(zero, MAX_DATASET_BYTES, Some(cols)).unwrap_err()
         );
         assert_eq!(
             e,
@@ -2413,7 +2407,7 @@ mod tests {
         std::fs::write(&path, "{}\n{}\n").unwrap();
         let e = format!(
             "{:#}",
-            read_dataset(&path, 4, DatasetStart::JsonObjects).unwrap_err()
+            read_dataset(&path, 4, Some(DatasetStart::JsonObjects)).unwrap_err()
         );
         assert!(e.ends_with("d is larger than 4 bytes"), "{e}");
     }
