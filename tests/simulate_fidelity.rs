@@ -365,7 +365,10 @@ fn calibrate_fits_the_engine_and_the_simulator_runs_on_the_fit() {
 /// `switchyard calibrate` prints and records the `slo-aware` parameters its fit implies: for
 /// steps measured as exactly 2 ms + 10 us per token + 5 us more per prompt token, a decode
 /// step of 32 sequences takes 2.32 ms (of 8, for an engine of 8 sequences, 2.08 ms) and a
-/// prompt token costs 15 us at the margin.
+/// prompt token costs 15 us at the margin, whatever the steps a refit leaves out (a
+/// standard error of 0). The longest context measured is the 3-sequence step's, 2048 prompt
+/// tokens and 2 decodes over 3 sequences, 684 rounded up, and 688 rounded up to 16 tokens:
+/// the decode step's context is 688.
 #[test]
 fn calibrate_prints_and_records_the_slo_aware_parameters_its_fit_implies() {
     let dir = temp_dir("slo-params");
@@ -388,6 +391,8 @@ fn calibrate_prints_and_records_the_slo_aware_parameters_its_fit_implies() {
         (8, 1024, 64),
         (3, 2048, 0),
         (32, 64, 2048),
+        (2, 0, 300),
+        (1, 64, 32),
     ] {
         let tokens = prefill + seqs - u64::from(prefill > 0);
         let seconds = 2e-3 + 10e-6 * tokens as f64 + 5e-6 * prefill as f64;
@@ -403,9 +408,10 @@ fn calibrate_prints_and_records_the_slo_aware_parameters_its_fit_implies() {
     let stdout = refit(&dir.join("steps.json"), &dir.join("cal.yaml"));
     assert!(
         stdout.contains(
-            "The fit implies the slo-aware policy's step_overhead_ms 2.32 (a decode step of 32 \
-             sequences at 1024 tokens of context) and prefill_us_per_token 15 (the marginal \
-             cost of a 512-token prompt chunk joining it)"
+            "The fit implies the slo-aware policy's step_overhead_ms 2.32 (±0.0%) (a decode \
+             step of 32 sequences at 688 tokens of context) and prefill_us_per_token 15 (±0.0%) \
+             (the marginal cost of a 512-token prompt chunk joining it); ± the jackknife's \
+             standard error over 10 refits"
         ),
         "{stdout}"
     );
@@ -442,8 +448,8 @@ fn calibrate_prints_and_records_the_slo_aware_parameters_its_fit_implies() {
     let stdout = refit(&dir.join("steps8.json"), &dir.join("cal8.yaml"));
     assert!(
         stdout.contains(
-            "The fit implies the slo-aware policy's step_overhead_ms 2.08 (a decode step of 8 \
-             sequences at 1024 tokens of context) and prefill_us_per_token 15"
+            "The fit implies the slo-aware policy's step_overhead_ms 2.08 (±0.0%) (a decode \
+             step of 8 sequences at 688 tokens of context) and prefill_us_per_token 15"
         ),
         "{stdout}"
     );

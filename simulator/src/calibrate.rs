@@ -315,6 +315,43 @@ pub fn fit(samples: &[Sample]) -> Result<Fit, FitError> {
     })
 }
 
+/// Groups of samples the jackknife of [`group_refits`] leaves out in turn.
+pub const JACKKNIFE_GROUPS: usize = 10;
+
+/// The fits of `samples` with each of [`JACKKNIFE_GROUPS`] groups left out in turn (sample
+/// `i` in group `i % JACKKNIFE_GROUPS`: a sweep's samples come measurement by measurement, so
+/// each group takes a little of every kind of step), for a delete-a-group jackknife
+/// ([`jackknife_error`]) of what is derived from the fit. Fewer than
+/// `NUM_TERMS * JACKKNIFE_GROUPS / (JACKKNIFE_GROUPS - 1)` samples leave a refit too few:
+/// [`FitError::TooFewSamples`], as the fit itself.
+pub fn group_refits(samples: &[Sample]) -> Result<Vec<Fit>, FitError> {
+    (0..JACKKNIFE_GROUPS)
+        .map(|g| {
+            let kept: Vec<Sample> = samples
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| i % JACKKNIFE_GROUPS != g)
+                .map(|(_, s)| *s)
+                .collect();
+            fit(&kept)
+        })
+        .collect()
+}
+
+/// The delete-a-group jackknife's standard error of a value from the values the
+/// [`group_refits`] give it: `sqrt((g - 1) / g * sum((v_i - mean)^2))` over the `g` refits
+/// (Efron and Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 11). Where it is
+/// large against the value, the samples do not determine it: a small change in the steps
+/// measured moves it that much. 0 for fewer than two values.
+pub fn jackknife_error(values: &[f64]) -> f64 {
+    let g = values.len() as f64;
+    if values.len() < 2 {
+        return 0.0;
+    }
+    let mean = values.iter().sum::<f64>() / g;
+    ((g - 1.0) / g * values.iter().map(|v| (v - mean).powi(2)).sum::<f64>()).sqrt()
+}
+
 /// The linear model's coefficients for `samples` with the per-token cost paid on at least
 /// `knee` tokens.
 fn fit_linear(samples: &[Sample], knee: u64) -> Result<[f64; NUM_TERMS], FitError> {
@@ -769,6 +806,96 @@ mod tests {
         let f = fit(&s).unwrap();
         assert!(f.abs_error_quantile(1.0) < 1e-9, "{:?}", f.relative_errors);
         assert!(f.calibration.validate().is_ok());
+    }
+
+    /// The jackknife's standard error, worked out by hand: values 1, 2, 3, 4 have mean 2.5
+    /// and squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5, times 3 / 4: sqrt(3.75).
+    #[test]
+    fn the_jackknife_error_is_the_textbook_one() {
+        assert_eq!(jackknife_error(&[1.0, 2.0, 3.0, 4.0]), 3.75f64.sqrt());
+        assert_eq!(jackknife_error(&[7.0; 10]), 0.0);
+        assert_eq!(jackknife_error(&[7.0]), 0.0);
+        assert_eq!(jackknife_error(&[]), 0.0);
+    }
+
+    /// Exact data: every refit leaving a group out recovers the coefficients, so what is
+    /// derived from them does not move. Too few samples for the refits: refused as the fit.
+    #[test]
+    fn refits_of_exact_data_agree() {
+        let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 0.0, 0.0, 0.0];
+        let samples: Vec<Sample> = sweep()
+            .into_iter()
+            .map(|shape| Sample {
+                shape,
+                seconds: predict(&truth, 0, &shape),
+            })
+            .collect();
+        let refits = group_refits(&samples).unwrap();
+        assert_eq!(refits.len(), JACKKNIFE_GROUPS);
+        let decode = shape(&[(1024, 1, false); 32]);
+        let want = predict(&truth, 0, &decode);
+        // 48 samples: groups 0 to 7 take 5 each, 8 and 9 take 4.
+        assert_eq!(samples.len(), 48);
+        for (g, r) in refits.iter().enumerate() {
+            assert_eq!(r.num_samples, if g < 8 { 43 } else { 44 }, "{g}");
+            assert!((r.calibration.step_time(&decode) - want).abs() <= 1e-9 * want);
+        }
+        let few = &samples[..NUM_TERMS + 1];
+        assert!(matches!(group_refits(few), Err(FitError::TooFewSamples(_))));
+    }
+
+    /// The sweep of `calibrate --max-context 64` before it kept every kind of step: prefills
+    /// of 16 and 63 tokens, 16 past a cached 32, and decodes of 1 to 64 sequences at contexts
+    /// 32 to 40 and 52 to 60 only, where a step's context tokens are nearly its sequences
+    /// times 45; times off the model by up to 10% (a noisy machine). A 32-sequence decode at
+    /// 1,024 tokens of context is far outside what was measured: the fit's KV term, which the
+    /// decodes cannot tell from their per-sequence cost, decides it, and the refits leaving a
+    /// tenth of the steps out disagree on it far more than on the same step at 60 tokens.
+    #[test]
+    fn the_jackknife_tells_an_extrapolation_from_an_interpolation() {
+        let truth = [2e-3, 1e-3, 4e-4, 5e-5, 0.0, 2e-7, 1e-8, 0.0, 0.0, 0.0];
+        let mut shapes = vec![
+            shape(&[(0, 16, true)]),
+            shape(&[(0, 63, true)]),
+            shape(&[(0, 32, true)]),
+            shape(&[(32, 16, true)]),
+        ];
+        for c in [32, 52] {
+            for b in [1usize, 4, 16, 64] {
+                shapes.push(shape(&vec![(0, c, true); b.min(2048 / c as usize)]));
+                for k in 0..8 {
+                    shapes.push(shape(&vec![(c + k, 1, false); b]));
+                }
+            }
+        }
+        // A deterministic noise of -10% to +10% (a linear congruential generator).
+        let mut x = 12345u64;
+        let samples: Vec<Sample> = shapes
+            .into_iter()
+            .map(|shape| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let noise = ((x >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 0.2;
+                Sample {
+                    shape,
+                    seconds: predict(&truth, 0, &shape) * (1.0 + noise),
+                }
+            })
+            .collect();
+        let full = fit(&samples).unwrap();
+        let refits = group_refits(&samples).unwrap();
+        let relative = |step: &StepShape| {
+            let v: Vec<f64> = refits
+                .iter()
+                .map(|r| r.calibration.step_time(step))
+                .collect();
+            jackknife_error(&v) / full.calibration.step_time(step)
+        };
+        let far = relative(&shape(&[(1024, 1, false); 32]));
+        let near = relative(&shape(&[(60, 1, false); 32]));
+        // Ten percent noise over 70 steps: an interpolated step's error is a few percent.
+        assert!(far > 5.0 * near && near < 0.05, "far {far}, near {near}");
     }
 
     proptest! {

@@ -22,6 +22,17 @@
 //!   per-token, per-prefill-token, KV and attention terms at that chunk; a longer prompt's
 //!   attention costs more per token than this.
 //!
+//! Both reference steps stay within the contexts the calibration measured (its
+//! `max_context`, where the file records one, rounded up to a multiple of [`BOUND_ROUNDING`]
+//! tokens: the sweep's longest step stops a token short of `--max-context`, and a default
+//! calibration, to 1,023 tokens, keeps the 1,024 of its reference step): a decode context and
+//! a chunk of at most that many tokens ([`reference`]). Beyond it the fit extrapolates, and its KV and attention terms,
+//! fitted on short contexts where they are nearly proportional to the batch, are not
+//! determined there: a calibration at `--max-context 64` of SmolLM2 on a 2-core CPU priced
+//! a 32-sequence decode at 1,024 tokens of context at 1,095 ms, where the same fit gives
+//! 110 ms at the 62 tokens within what it measured (its measured 16- and 64-sequence decodes
+//! at about 60 tokens took 66 and 215 ms at the median).
+//!
 //! Both are rounded to the nanosecond and kept within the bounds the policy accepts
 //! (`step_overhead_ms` 0 to 1,000,000; `prefill_us_per_token` at least 0.001, so a fit with
 //! no per-token cost at all still builds a policy, whose chunks are then the step's budget).
@@ -57,15 +68,49 @@ pub struct SloAwareParams {
     pub prefill_us_per_token: f64,
 }
 
+/// The reference steps of a calibration: the decode step's context per sequence and the
+/// prompt chunk that joins it, in tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reference {
+    /// Tokens of context of each sequence of the decode step.
+    pub decode_context: u64,
+    /// Tokens of the prompt chunk.
+    pub prefill_chunk: u64,
+}
+
+/// Tokens the longest context a calibration measured is rounded up to, bounding its
+/// reference steps (a KV block of the default size).
+pub const BOUND_ROUNDING: u64 = 16;
+
+/// The reference steps for calibration `c`: [`DECODE_CONTEXT`] and [`PREFILL_CHUNK`], at most
+/// the longest context it measured (`max_context`) rounded up to [`BOUND_ROUNDING`] tokens; a
+/// file without one (or with 0) is taken at the constants.
+pub fn reference(c: &Calibration) -> Reference {
+    match c.max_context.filter(|&m| m > 0) {
+        None => Reference {
+            decode_context: DECODE_CONTEXT,
+            prefill_chunk: PREFILL_CHUNK,
+        },
+        Some(m) => {
+            let bound = m.saturating_add(BOUND_ROUNDING - 1) / BOUND_ROUNDING * BOUND_ROUNDING;
+            Reference {
+                decode_context: DECODE_CONTEXT.min(bound),
+                prefill_chunk: PREFILL_CHUNK.min(bound),
+            }
+        }
+    }
+}
+
 impl SloAwareParams {
     /// The parameters `c` implies for an engine that runs at most `max_num_seqs` sequences a
     /// step (see the module's documentation for the derivation).
     pub fn from_calibration(c: &Calibration, max_num_seqs: usize) -> Self {
-        let decode = reference_decode(max_num_seqs);
+        let r = reference(c);
+        let decode = reference_decode(max_num_seqs, r.decode_context);
         let mut with_chunk = decode;
-        with_chunk.add_seq(0, PREFILL_CHUNK, true, false);
+        with_chunk.add_seq(0, r.prefill_chunk, true, false);
         let decode_s = c.step_time(&decode);
-        let marginal_s = (c.step_time(&with_chunk) - decode_s).max(0.0) / PREFILL_CHUNK as f64;
+        let marginal_s = (c.step_time(&with_chunk) - decode_s).max(0.0) / r.prefill_chunk as f64;
         let round = |x: f64, decimals: i32| {
             let scale = 10f64.powi(decimals);
             (x * scale).round() / scale
@@ -84,11 +129,11 @@ pub fn decode_batch(max_num_seqs: usize) -> u64 {
     DECODE_BATCH.min(max_num_seqs as u64).max(1)
 }
 
-/// The reference decode step: [`decode_batch`] sequences at [`DECODE_CONTEXT`] tokens.
-fn reference_decode(max_num_seqs: usize) -> StepShape {
+/// The reference decode step: [`decode_batch`] sequences at `context` tokens each.
+fn reference_decode(max_num_seqs: usize, context: u64) -> StepShape {
     let mut s = StepShape::default();
     for _ in 0..decode_batch(max_num_seqs) {
-        s.add_seq(DECODE_CONTEXT, 1, false, true);
+        s.add_seq(context, 1, false, true);
     }
     s
 }
@@ -225,6 +270,73 @@ mod tests {
         let p = SloAwareParams::from_calibration(&c, 256);
         assert_eq!(p.step_overhead_ms, 2.024);
         assert_eq!(p.prefill_us_per_token, 2.0);
+    }
+
+    #[test]
+    fn the_reference_steps_stay_within_the_contexts_measured() {
+        // Measured up to 63 tokens (a sweep at --max-context 64), rounded up to 64: a decode
+        // step of 8 sequences at 64 tokens of context and a 64-token chunk. Decode: 2 ms +
+        // 8 x 33 us + 8 x 65 KV tokens x 1 ns + 8 x 65 pairs x 0.1 ns = 2 + 0.264 + 0.00052
+        // + 0.000052 ms = 2.264572 ms. The chunk: 15 us + 1 ns per token, and 64 x 65 / 2 =
+        // 2080 pairs x 0.1 ns = 208 ns over 64 tokens, 3.25 ns: 15.00425 us, 15.004 rounded
+        // to the nanosecond.
+        for m in [63, 64] {
+            let short = Calibration {
+                max_context: Some(m),
+                ..known_fit()
+            };
+            assert_eq!(
+                reference(&short),
+                Reference {
+                    decode_context: 64,
+                    prefill_chunk: 64
+                }
+            );
+            let p = SloAwareParams::from_calibration(&short, 8);
+            assert_eq!(p.step_overhead_ms, 2.264572);
+            assert_eq!(p.prefill_us_per_token, 15.004);
+        }
+        // A default sweep's 1,023 tokens, more, or no record of it: the constants.
+        for m in [
+            None,
+            Some(0),
+            Some(1023),
+            Some(1025),
+            Some(1 << 20),
+            Some(u64::MAX),
+        ] {
+            let c = Calibration {
+                max_context: m,
+                ..known_fit()
+            };
+            assert_eq!(
+                reference(&c),
+                Reference {
+                    decode_context: DECODE_CONTEXT,
+                    prefill_chunk: PREFILL_CHUNK
+                },
+                "{m:?}"
+            );
+            assert_eq!(
+                SloAwareParams::from_calibration(&c, 8).step_overhead_ms,
+                2.27302
+            );
+        }
+        // Between the two: the chunk is whole, the decode context 600 rounded up to 608.
+        // One token: 16 of each.
+        for (m, context, chunk) in [(600, 608, 512), (1, 16, 16)] {
+            let c = Calibration {
+                max_context: Some(m),
+                ..known_fit()
+            };
+            assert_eq!(
+                reference(&c),
+                Reference {
+                    decode_context: context,
+                    prefill_chunk: chunk
+                }
+            );
+        }
     }
 
     #[test]

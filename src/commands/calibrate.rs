@@ -127,6 +127,7 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         .validate()
         .map_err(|why| anyhow::anyhow!("the fitted model is not usable: {why}"))?;
     print!("{}", report(&measured, &fit, &calibration));
+    let spread = slo_aware_spread(&measured.samples, &calibration, decode_seqs);
     let median = fit.abs_error_quantile(0.5);
     if median > POOR_FIT {
         eprintln!(
@@ -175,20 +176,69 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
             f.fixed_us, f.per_token_us
         );
     }
+    let reference = slo_params::reference(&calibration);
+    let within = |value: f64, error: Option<f64>| match error {
+        Some(e) => format!(
+            "{value} (±{:.1}%)",
+            100.0 * e / value.max(f64::MIN_POSITIVE)
+        ),
+        None => value.to_string(),
+    };
     println!(
         "The fit implies the slo-aware policy's step_overhead_ms {} (a decode step of {} \
          sequences at {} tokens of context) and prefill_us_per_token {} (the marginal cost of a \
-         {}-token prompt chunk joining it): the simulator uses them for a slo-aware policy \
+         {}-token prompt chunk joining it){}: the simulator uses them for a slo-aware policy \
          whose params leave them unset; for a server, copy them into scheduler.policy.params \
          (`policy: {{name: slo-aware, params: {{step_overhead_ms: {}, prefill_us_per_token: {}}}}}`).",
-        slo_aware.step_overhead_ms,
+        within(slo_aware.step_overhead_ms, spread.map(|s| s.0)),
         slo_params::decode_batch(decode_seqs),
-        slo_params::DECODE_CONTEXT,
-        slo_aware.prefill_us_per_token,
-        slo_params::PREFILL_CHUNK,
+        reference.decode_context,
+        within(slo_aware.prefill_us_per_token, spread.map(|s| s.1)),
+        reference.prefill_chunk,
+        if spread.is_some() {
+            format!(
+                "; ± the jackknife's standard error over {} refits, each leaving 1/{} of the \
+                 steps out",
+                calibrate::JACKKNIFE_GROUPS,
+                calibrate::JACKKNIFE_GROUPS
+            )
+        } else {
+            String::new()
+        },
         slo_aware.step_overhead_ms,
         slo_aware.prefill_us_per_token,
     );
+    if reference.decode_context < slo_params::DECODE_CONTEXT {
+        println!(
+            "The steps measured reach {} tokens of context: the reference steps are shortened \
+             to that, rounded up to {} tokens (the fit's costs at {} tokens would be an \
+             extrapolation); a server whose requests are longer spends more per step.",
+            calibration.max_context.unwrap_or(0),
+            slo_params::BOUND_ROUNDING,
+            slo_params::DECODE_CONTEXT
+        );
+    }
+    if let Some((step, prefill)) = spread {
+        for (name, value, error) in [
+            ("step_overhead_ms", slo_aware.step_overhead_ms, step),
+            (
+                "prefill_us_per_token",
+                slo_aware.prefill_us_per_token,
+                prefill,
+            ),
+        ] {
+            if error > POOR_DETERMINATION * value {
+                eprintln!(
+                    "warning: the steps measured do not determine {name}: refits leaving a \
+                     tenth of them out move it by ±{:.0}% (the jackknife's standard error): the \
+                     fit cannot tell its terms apart on these shapes (measure a larger \
+                     --max-context or --max-kv-tokens, or with more --repeats on a quieter \
+                     machine)",
+                    100.0 * error / value
+                );
+            }
+        }
+    }
     if let Some(ms) = calibration.lora_load_ms {
         println!(
             "Loading the --lora adapter from its directory took {ms} ms (the median of \
@@ -207,6 +257,35 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
 
 /// A median error above which the fit is reported as poor.
 const POOR_FIT: f64 = 0.25;
+/// A standard error, relative to the value, above which a derived `slo-aware` parameter is
+/// reported as not determined by the steps measured (a value interpolated from a sweep's
+/// steps was within a few percent; one extrapolated far past them, tens of percent).
+const POOR_DETERMINATION: f64 = 0.1;
+
+/// The jackknife's standard errors of the `slo-aware` parameters `c` implies
+/// (`step_overhead_ms`, `prefill_us_per_token`): each refit of [`calibrate::group_refits`]
+/// priced at `c`'s reference steps. `None` when the samples are too few for the refits.
+fn slo_aware_spread(
+    samples: &[Sample],
+    c: &Calibration,
+    max_num_seqs: usize,
+) -> Option<(f64, f64)> {
+    let refits = calibrate::group_refits(samples).ok()?;
+    let params: Vec<SloAwareParams> = refits
+        .iter()
+        .map(|r| {
+            let refit = Calibration {
+                max_context: c.max_context,
+                ..r.calibration.clone()
+            };
+            SloAwareParams::from_calibration(&refit, max_num_seqs)
+        })
+        .collect();
+    let of = |f: fn(&SloAwareParams) -> f64| {
+        calibrate::jackknife_error(&params.iter().map(f).collect::<Vec<_>>())
+    };
+    Some((of(|p| p.step_overhead_ms), of(|p| p.prefill_us_per_token)))
+}
 
 fn read_samples(path: &Path) -> anyhow::Result<SamplesFile> {
     let text = super::bench_serve::read_bounded(path, MAX_SAMPLES_FILE)?;
@@ -434,36 +513,57 @@ impl Limits {
 
 /// The sweep: prefills alone and batched (long ones chunked by the token budget), prompts
 /// extending a cached one, decodes at batch sizes 1, 4, 16, ... at three contexts, and decodes
-/// that prefills join.
+/// that prefills join. Its lengths are those of a 1,024-token context, shortened to fit a
+/// shorter one (batched prompts of 64 and 256 tokens to a quarter and all of it; decode
+/// contexts of 32 and 256 to an eighth and a half of the longest), so that a short `--max-context` still
+/// measures every kind of step, and decodes at three distinct contexts: at 64 tokens every
+/// measurement past 63 tokens was left out, and the decodes' context tokens, at contexts 32
+/// and 52 only, were nearly proportional to their sequences, so the fit could not tell the
+/// cost of one from the other's.
 fn sweep(l: Limits) -> Vec<Scenario> {
-    let mut out = Vec::new();
+    let mut out: Vec<Scenario> = Vec::new();
     let mut push = |first: Vec<Req>, later: Vec<Req>, later_after: usize| {
         let all: Vec<Req> = first.iter().chain(&later).copied().collect();
-        if !first.is_empty() && l.fit(&all) {
-            out.push(Scenario {
-                first,
-                later,
-                later_after,
-                adapters: 0,
-            });
+        let s = Scenario {
+            first,
+            later,
+            later_after,
+            adapters: 0,
+        };
+        // Shortened lengths can make two measurements one.
+        if !s.first.is_empty() && l.fit(&all) && !out.contains(&s) {
+            out.push(s);
         }
     };
+    // The longest prompt of one request that generates one token.
+    let longest = l.max_context.saturating_sub(1).max(1);
+    let short = 64.min(l.max_context / 4).max(1);
+    let long = 256.min(longest);
     // Prefills of one prompt, 16 to the longest context.
     let mut lengths: Vec<usize> = std::iter::successors(Some(16usize), |p| Some(p * 4))
         .take_while(|&p| p < l.max_context)
         .collect();
+    // At least three lengths (at a context of 64 tokens or fewer: 16, half and all of it).
+    if lengths.len() < 2 {
+        lengths.push(l.max_context / 2);
+    }
     lengths.push(l.max_context - 1);
     lengths.dedup();
     for &p in &lengths {
         push(vec![Req::new(p, 1)], vec![], 0);
     }
     // Batched prefills.
-    for (n, p) in [(4, 64), (16, 64), (64, 64), (4, 256), (16, 256)] {
+    for (n, p) in [(4, short), (16, short), (64, short), (4, long), (16, long)] {
         push(vec![Req::new(p, 1); n], vec![], 0);
     }
-    // Prompts that extend a cached prompt: few new tokens over a long context.
+    // Prompts that extend a cached prompt: few new tokens over a long context (the
+    // context a multiple of 16 tokens, the default block size, so that its blocks are cached).
     for c in [256, l.max_context / 2 / 16 * 16] {
-        for new in [16, 128] {
+        for new in [16, 128.min(l.max_context / 4)] {
+            let c = c.min(l.max_context.saturating_sub(new + 1) / 16 * 16);
+            if c == 0 {
+                continue;
+            }
             push(
                 vec![Req::new(c, 1)],
                 vec![Req {
@@ -478,10 +578,11 @@ fn sweep(l: Limits) -> Vec<Scenario> {
     // Decodes.
     // The longest context leaves room for the tokens generated while the batch is prefilled.
     let prefill_steps = l.max_kv_tokens.div_ceil(l.max_num_batched_tokens.max(1));
+    let longest_decode = l.max_context.saturating_sub(DECODE_STEPS + prefill_steps);
     let mut contexts = vec![
-        32,
-        256,
-        l.max_context.saturating_sub(DECODE_STEPS + prefill_steps),
+        32.min(longest_decode / 8),
+        256.min(longest_decode / 2),
+        longest_decode,
     ];
     contexts.dedup();
     for c in contexts.into_iter().filter(|&c| c >= 1) {
@@ -501,10 +602,11 @@ fn sweep(l: Limits) -> Vec<Scenario> {
         }
     }
     // Decodes joined by prefills.
+    let context = 256.min(l.max_context / 2);
     for b in [4, 16] {
-        for p in [64, 512] {
+        for p in [short, 512.min(longest)] {
             push(
-                vec![Req::new(256, 2 * DECODE_STEPS); b],
+                vec![Req::new(context, 2 * DECODE_STEPS); b],
                 vec![Req::new(p, 1)],
                 2,
             );
@@ -940,6 +1042,62 @@ mod tests {
         }
     }
 
+    /// A short `--max-context` (64 tokens) still measures every kind of step, at three
+    /// prefill lengths and three decode contexts (lengths worked out from the sweep's rules):
+    /// before, only prefills of 16 and 63 tokens, one prefix hit and decodes at contexts 32
+    /// and 52 fitted, no batched prefill and no decode joined by a prefill.
+    #[test]
+    fn a_short_context_keeps_every_kind_of_step() {
+        let l = Limits {
+            max_context: 64,
+            ..LIMITS
+        };
+        let s = sweep(l);
+        for sc in &s {
+            let all: Vec<Req> = sc.first.iter().chain(&sc.later).copied().collect();
+            assert!(l.fit(&all), "{sc:?}");
+        }
+        let alone = |first: Vec<Req>| s.iter().any(|sc| sc.first == first && sc.later.is_empty());
+        // Single prefills of 16, 32 and 63 tokens; batched ones of a quarter (16) and all
+        // (63) of the context.
+        for p in [16, 32, 63] {
+            assert!(alone(vec![Req::new(p, 1)]), "{p}");
+        }
+        for (n, p) in [(4, 16), (16, 16), (64, 16), (4, 63), (16, 63)] {
+            assert!(alone(vec![Req::new(p, 1); n]), "{n} x {p}");
+        }
+        // A prefix hit: 16 new tokens past a cached 32.
+        assert!(s.iter().any(|sc| sc.first == [Req::new(32, 1)]
+            && sc.later
+                == [Req {
+                    prompt: 48,
+                    output: 1,
+                    extends: Some(0)
+                }]));
+        // Decodes: the longest context is 64 - 8 - 8192 / 2048 = 52, then 52 / 2 = 26 and
+        // 52 / 8 = 6; each at batch 1 and at 64 (the most sequences, whose KV fits).
+        for c in [6, 26, 52] {
+            for b in [1, 64] {
+                assert!(
+                    alone(vec![Req::new(c, l.decode_output(b, c)); b]),
+                    "{b} x {c}"
+                );
+            }
+        }
+        // Decodes at a context of 32 joined by prefills of 16 and 63 tokens.
+        for b in [4, 16] {
+            for p in [16, 63] {
+                assert!(s.iter().any(
+                    |sc| sc.first == vec![Req::new(32, 16); b] && sc.later == [Req::new(p, 1)]
+                ));
+            }
+        }
+        // No measurement twice.
+        for (i, sc) in s.iter().enumerate() {
+            assert!(!s[..i].contains(sc), "{sc:?}");
+        }
+    }
+
     /// Every `--lora` measurement runs adapters, 1, 2 and 4 of them, never more than it has
     /// requests, within the limits; prefills, decodes from batch 1 to 16 and mixed steps.
     #[test]
@@ -976,6 +1134,34 @@ mod tests {
             max_num_batched_tokens: 8192,
         });
         assert!(short.iter().any(|sc| sc.first == vec![Req::new(64, 9); 4]));
+    }
+
+    /// Steps timed as exactly 2 ms + 10 us per token + 5 us more per prompt token: every
+    /// refit agrees (a standard error of 0); too few steps for the refits, none.
+    #[test]
+    fn the_spread_of_exact_steps_is_nil() {
+        let mut samples = Vec::new();
+        for (seqs, prefill) in [(1, 0), (4, 0), (16, 0), (64, 0), (1, 128), (1, 512)] {
+            for context in [32, 256] {
+                let mut shape = StepShape::default();
+                for i in 0..seqs {
+                    let p = prefill > 0 && i == 0;
+                    shape.add_seq(context, if p { prefill } else { 1 }, p, true);
+                }
+                let seconds =
+                    2e-3 + 10e-6 * shape.num_tokens as f64 + 5e-6 * shape.num_prefill_tokens as f64;
+                samples.push(Sample { shape, seconds });
+            }
+        }
+        let c = calibrate::fit(&samples).unwrap().calibration;
+        // 2 ms + 8 x 10 us.
+        assert_eq!(
+            SloAwareParams::from_calibration(&c, 8).step_overhead_ms,
+            2.08
+        );
+        let (step, prefill) = slo_aware_spread(&samples, &c, 8).unwrap();
+        assert!(step < 1e-9 && prefill < 1e-9, "{step} {prefill}");
+        assert_eq!(slo_aware_spread(&samples[..11], &c, 8), None);
     }
 
     #[test]
