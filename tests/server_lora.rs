@@ -578,6 +578,8 @@ fn an_evicted_adapter_whose_files_broke_is_the_servers_503_without_its_path() {
         )
     };
     assert_eq!(failed("unavailable"), 0.0);
+    let loads = s.metric("switchyard:lora_adapter_loads_total");
+    assert_eq!(loads, Some(2.0), "one and two read once each");
     let (status, v) = complete("one");
     assert_eq!(status, 503, "{v}\n{}", s.log());
     assert_eq!(
@@ -594,6 +596,9 @@ fn an_evicted_adapter_whose_files_broke_is_the_servers_503_without_its_path() {
     // The detail is the operator's, in the log.
     s.assert_logged(&["WARN", "could not be loaded", &shown]);
     // The other adapter still serves, and an admin load of a broken path keeps its reason.
+    // Regression: memory being full (max_cpu_loras: 1), the other adapter was dropped to
+    // make room for the broken one's read, and read again for its next request; the broken
+    // files are refused now before room is made, so it stays in memory.
     assert_eq!(complete("two").0, 200);
     let body = json!({"lora_name": "three", "lora_path": one});
     let r = s
@@ -601,6 +606,13 @@ fn an_evicted_adapter_whose_files_broke_is_the_servers_503_without_its_path() {
         .expect("load");
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("adapter_model.safetensors"), "{}", r.body);
+    assert_eq!(complete("two").0, 200);
+    assert_eq!(
+        s.metric("switchyard:lora_adapter_loads_total"),
+        loads,
+        "nothing was read again\n{}",
+        s.log()
+    );
 }
 
 /// `/v1/embeddings` naming the adapter as `model` runs the input with it: the answer names the

@@ -19,19 +19,23 @@
 //! checked against the base model and [`LoraLimits`] before anything is allocated, tensor
 //! offsets are validated by the `safetensors` crate, and the weights must stay finite once
 //! scaled. Each loaded copy has a [`LoraAdapter::fingerprint`] of what it computes with, so a
-//! reload can tell whether the files changed.
+//! reload can tell whether the files changed. [`LoraAdapter::check`] runs the load's checks
+//! but the values' on the configuration and the weights file's header alone (the same bounds,
+//! the same refusals), for a caller that must drop something to make room for a load.
 //!
 //! The weights are held in f32 with the scale folded into `B`. Q and K rows follow the base
 //! model's RoPE layout: for GGUF models (whose Q and K rows llama.cpp's converter permuted so
 //! that RoPE rotates adjacent pairs) the rows of the q and k `B` matrices are permuted the same
 //! way, so `B (A x)` lands on the rows the base product writes.
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
-use safetensors::tensor::Dtype as StDtype;
-use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo};
+use safetensors::{SafeTensorError, SafeTensors};
 use sha2::{Digest, Sha256};
 
 #[cfg(target_arch = "x86_64")]
@@ -276,9 +280,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// A pair's `A` and `B` as read, until both are there.
-type HalfPair = (Option<Vec<f32>>, Option<Vec<f32>>);
-
 /// One layer's pairs for [`LoraAdapter::from_pairs`]: target, `A`, `B`.
 pub type LayerPairs = Vec<(LoraTarget, Vec<f32>, Vec<f32>)>;
 
@@ -340,10 +341,15 @@ fn invalid(path: &Path, reason: impl Into<String>) -> GpuError {
 /// The bytes of the adapter file at `path`: a regular file of at most `max` bytes
 /// ([`crate::model::read_bounded_bytes`]), its refusals as adapter errors.
 fn read_regular_file(path: &Path, max: u64) -> Result<Vec<u8>, GpuError> {
-    crate::model::read_bounded_bytes(path, max).map_err(|e| match e {
+    crate::model::read_bounded_bytes(path, max).map_err(as_adapter_error)
+}
+
+/// A model file's refusal ([`GpuError::InvalidModelFile`]) as an adapter's.
+fn as_adapter_error(e: GpuError) -> GpuError {
+    match e {
         GpuError::InvalidModelFile { path, reason } => GpuError::InvalidAdapter { path, reason },
         other => other,
-    })
+    }
 }
 
 /// Whether `dir` holds `name` as a regular file (links followed); anything else under that
@@ -503,6 +509,138 @@ fn parse_name(name: &str) -> Option<(usize, &str, bool)> {
     })
 }
 
+/// The refusal of tensor `name` for its type `dtype` (not F32, F16 or BF16).
+fn unsupported_dtype(path: &Path, name: &str, dtype: StDtype) -> GpuError {
+    invalid(
+        path,
+        format!("tensor '{name}' has type {dtype:?} (need F32, F16 or BF16)"),
+    )
+}
+
+/// A tensor of `adapter_model.safetensors` as its header describes it: name, type, shape.
+type TensorHead<'a> = (&'a str, StDtype, &'a [usize]);
+
+/// The adapted projections of an `adapter_model.safetensors`, as its header and the
+/// configuration make them ([`layout`]).
+struct Layout<'a> {
+    /// Per adapted projection, by layer then in table order: the layer, the target and the
+    /// names of its `A` and `B` tensors.
+    pairs: Vec<(usize, LoraTarget, &'a str, &'a str)>,
+    /// Tensors of modules the configuration does not select (not applied, as PEFT does not).
+    skipped: usize,
+}
+
+/// Checks the tensors of `adapter_model.safetensors` (`path` names it in errors), as its
+/// header describes them (`tensors`), against the checked configuration and the model `c`:
+/// every name a LoRA half of a decoder layer's projection, each selected one of the rank's and
+/// the model's shape, of a type read, once, with its other half. Everything a load checks but
+/// the values (finite, once scaled), so [`LoraAdapter::check`] and a load refuse the same
+/// headers for the same reasons.
+fn layout<'a>(
+    path: &Path,
+    tensors: &[TensorHead<'a>],
+    cfg: &AdapterConfig,
+    c: &LlamaConfig,
+) -> Result<Layout<'a>, GpuError> {
+    if tensors.is_empty() {
+        return Err(invalid(path, "holds no tensors"));
+    }
+    let mut sorted: Vec<&TensorHead<'a>> = tensors.iter().collect();
+    sorted.sort_by_key(|(name, ..)| *name);
+    // Per layer and target, the names of A and B.
+    type Halves<'n> = (Option<&'n str>, Option<&'n str>);
+    let mut halves: Vec<[Halves<'a>; 7]> = (0..c.num_layers).map(|_| Default::default()).collect();
+    let mut skipped = 0usize;
+    for &(name, dtype, shape) in sorted {
+        let Some((layer, module, is_b)) = parse_name(name) else {
+            return Err(invalid(
+                path,
+                format!("tensor '{name}' is not a LoRA A/B matrix of a decoder projection (unsupported)"),
+            ));
+        };
+        let target = LoraTarget::from_path(module).ok_or_else(|| {
+            invalid(
+                path,
+                format!("tensor '{name}': module '{module}' is not a Llama projection"),
+            )
+        })?;
+        if layer >= c.num_layers {
+            return Err(invalid(
+                path,
+                format!(
+                    "tensor '{name}': layer {layer} but the model has {}",
+                    c.num_layers
+                ),
+            ));
+        }
+        // PEFT builds only the modules its configuration selects, and does not apply the
+        // file's other tensors: neither does this server (once each tensor is known to be
+        // one it could apply: what it cannot read is refused, selected or not).
+        if !cfg.modules.selects(module_key(name), layer) {
+            skipped += 1;
+            continue;
+        }
+        let (din, dout) = target.dims(c);
+        let want = if is_b {
+            [dout, cfg.rank]
+        } else {
+            [cfg.rank, din]
+        };
+        if shape != want {
+            return Err(invalid(
+                path,
+                format!(
+                    "tensor '{name}' has shape {shape:?}, expected {want:?} (rank {}, model widths)",
+                    cfg.rank
+                ),
+            ));
+        }
+        if !matches!(dtype, StDtype::F32 | StDtype::F16 | StDtype::BF16) {
+            return Err(unsupported_dtype(path, name, dtype));
+        }
+        let slot = &mut halves[layer][target.index()];
+        let dst = if is_b { &mut slot.1 } else { &mut slot.0 };
+        if dst.replace(name).is_some() {
+            return Err(invalid(path, format!("tensor '{name}' appears twice")));
+        }
+    }
+    let mut pairs = Vec::new();
+    for (li, row) in halves.into_iter().enumerate() {
+        for (target, half) in LoraTarget::ALL.into_iter().zip(row) {
+            match half {
+                (None, None) => {}
+                (Some(a), Some(b)) => pairs.push((li, target, a, b)),
+                _ => {
+                    return Err(invalid(
+                        path,
+                        format!(
+                            "layer {li} {}: lora_A and lora_B must come together",
+                            target.module()
+                        ),
+                    ))
+                }
+            }
+        }
+    }
+    if pairs.is_empty() {
+        let why = if skipped > 0 {
+            ": target_modules / layers_to_transform in adapter_config.json select none of its tensors"
+        } else {
+            ""
+        };
+        return Err(invalid(path, format!("adapts no projection{why}")));
+    }
+    Ok(Layout { pairs, skipped })
+}
+
+/// The tensors of a header ([`Metadata::tensors`]), as [`layout`] takes them.
+fn heads<'a>(infos: &'a HashMap<String, &TensorInfo>) -> Vec<TensorHead<'a>> {
+    infos
+        .iter()
+        .map(|(name, info)| (name.as_str(), info.dtype, info.shape.as_slice()))
+        .collect()
+}
+
 /// A tensor's values as f32 (f32, f16 or bf16 little-endian).
 fn to_f32(path: &Path, name: &str, dtype: StDtype, data: &[u8]) -> Result<Vec<f32>, GpuError> {
     let out = match dtype {
@@ -518,12 +656,7 @@ fn to_f32(path: &Path, name: &str, dtype: StDtype, data: &[u8]) -> Result<Vec<f3
             .chunks_exact(2)
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect::<Vec<f32>>(),
-        other => {
-            return Err(invalid(
-                path,
-                format!("tensor '{name}' has type {other:?} (need F32, F16 or BF16)"),
-            ))
-        }
+        other => return Err(unsupported_dtype(path, name, other)),
     };
     if let Some(x) = out.iter().find(|x: &&f32| !x.is_finite()) {
         return Err(invalid(
@@ -560,53 +693,134 @@ fn permute_head_rows(b: &[f32], heads: usize, order: &[usize], rank: usize) -> V
     out
 }
 
+/// The checked `adapter_config.json` of the PEFT adapter in `dir` and the path of its
+/// `adapter_model.safetensors`, a regular file (not read yet).
+fn adapter_files(dir: &Path, limits: &LoraLimits) -> Result<(AdapterConfig, PathBuf), GpuError> {
+    match std::fs::metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(invalid(dir, "does not exist"))
+        }
+        Err(e) => return Err(invalid(dir, format!("cannot be read: {e}"))),
+        Ok(m) if !m.is_dir() => return Err(invalid(dir, "is not a directory")),
+        Ok(_) => {}
+    }
+    let cfg_path = dir.join("adapter_config.json");
+    if !regular_file_in(dir, "adapter_config.json")? {
+        return Err(invalid(dir, "no adapter_config.json in the directory"));
+    }
+    let cfg = read_config(&cfg_path, limits)?;
+    let path = dir.join("adapter_model.safetensors");
+    if !regular_file_in(dir, "adapter_model.safetensors")? {
+        let hint = if dir.join("adapter_model.bin").is_file() {
+            " (adapter_model.bin, a pickle, is not read: save it with safe_serialization)"
+        } else {
+            ""
+        };
+        return Err(invalid(
+            dir,
+            format!("no adapter_model.safetensors in the directory{hint}"),
+        ));
+    }
+    Ok((cfg, path))
+}
+
+/// The most bytes `adapter_model.safetensors` at `path` is read to: [`LoraLimits::max_file_bytes`]
+/// or, when smaller, the largest file of an adapter of its rank for `c`
+/// ([`largest_adapter_file`]); a larger file is refused here, before it is read.
+fn file_bound(
+    path: &Path,
+    cfg: &AdapterConfig,
+    c: &LlamaConfig,
+    limits: &LoraLimits,
+) -> Result<u64, GpuError> {
+    let largest = largest_adapter_file(c, cfg.rank);
+    if let Ok(m) = std::fs::metadata(path) {
+        if m.len() > largest && largest < limits.max_file_bytes {
+            return Err(invalid(
+                path,
+                format!(
+                    "is {} bytes, more than an adapter of rank {} for this model holds \
+                     ({largest} bytes: every projection adapted, in f32)",
+                    m.len(),
+                    cfg.rank
+                ),
+            ));
+        }
+    }
+    Ok(limits.max_file_bytes.min(largest))
+}
+
+/// The header of the safetensors file at `path` (a regular file of at most `max` bytes, as
+/// its full read is bounded), read alone: its length (8 bytes), then that many bytes of
+/// JSON, checked as the `safetensors` crate checks a whole file's (the same refusals: a
+/// length past the file, offsets that are not contiguous, sizes that do not match shapes and
+/// types, data that does not end where the file does), without reading the tensors' data.
+fn read_header(path: &Path, max: u64) -> Result<Metadata, GpuError> {
+    let bad = |e: SafeTensorError| invalid(path, e.to_string());
+    let mut file = crate::model::open_regular(path).map_err(as_adapter_error)?;
+    let len = file.metadata().map_err(|e| GpuError::io(path, e))?.len();
+    if len > max {
+        return Err(invalid(path, format!("too large: more than {max} bytes")));
+    }
+    let mut prefix = [0u8; 8];
+    file.read_exact(&mut prefix).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => bad(SafeTensorError::HeaderTooSmall),
+        _ => GpuError::io(path, e),
+    })?;
+    // The safetensors crate's own bound on a header (100 MB), and the file's length.
+    let n = u64::from_le_bytes(prefix);
+    if n > 100_000_000 {
+        return Err(bad(SafeTensorError::HeaderTooLarge));
+    }
+    if n.saturating_add(8) > len {
+        return Err(bad(SafeTensorError::InvalidHeaderLength));
+    }
+    let mut header = Vec::new();
+    header
+        .try_reserve_exact(n as usize)
+        .map_err(|e| invalid(path, format!("cannot hold its {n}-byte header: {e}")))?;
+    file.take(n)
+        .read_to_end(&mut header)
+        .map_err(|e| GpuError::io(path, e))?;
+    if header.len() as u64 != n {
+        // Shorter than its length says: the file shrank since its length was read.
+        return Err(bad(SafeTensorError::InvalidHeaderLength));
+    }
+    let text = std::str::from_utf8(&header).map_err(|e| bad(SafeTensorError::InvalidHeader(e)))?;
+    let meta: Metadata = serde_json::from_str(text)
+        .map_err(|e| bad(SafeTensorError::InvalidHeaderDeserialization(e)))?;
+    if (meta.data_len() as u64).saturating_add(8 + n) != len {
+        return Err(bad(SafeTensorError::MetadataIncompleteBuffer));
+    }
+    Ok(meta)
+}
+
 impl LoraAdapter {
     /// Loads the PEFT adapter in `dir` for the base model `c`.
     pub fn load(dir: &Path, c: &LlamaConfig, limits: &LoraLimits) -> Result<Self, GpuError> {
-        match std::fs::metadata(dir) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(invalid(dir, "does not exist"))
-            }
-            Err(e) => return Err(invalid(dir, format!("cannot be read: {e}"))),
-            Ok(m) if !m.is_dir() => return Err(invalid(dir, "is not a directory")),
-            Ok(_) => {}
-        }
-        let cfg_path = dir.join("adapter_config.json");
-        if !regular_file_in(dir, "adapter_config.json")? {
-            return Err(invalid(dir, "no adapter_config.json in the directory"));
-        }
-        let cfg = read_config(&cfg_path, limits)?;
-        let path = dir.join("adapter_model.safetensors");
-        if !regular_file_in(dir, "adapter_model.safetensors")? {
-            let hint = if dir.join("adapter_model.bin").is_file() {
-                " (adapter_model.bin, a pickle, is not read: save it with safe_serialization)"
-            } else {
-                ""
-            };
-            return Err(invalid(
-                dir,
-                format!("no adapter_model.safetensors in the directory{hint}"),
-            ));
-        }
+        let (cfg, path) = adapter_files(dir, limits)?;
         // Read, not mapped: the bytes parsed and fingerprinted are the bytes read once, whatever
         // happens to the file meanwhile (a mapping would show later writes, or fault on a
         // truncation).
-        let largest = largest_adapter_file(c, cfg.rank);
-        if let Ok(m) = std::fs::metadata(&path) {
-            if m.len() > largest && largest < limits.max_file_bytes {
-                return Err(invalid(
-                    &path,
-                    format!(
-                        "is {} bytes, more than an adapter of rank {} for this model holds \
-                         ({largest} bytes: every projection adapted, in f32)",
-                        m.len(),
-                        cfg.rank
-                    ),
-                ));
-            }
-        }
-        let bytes = read_regular_file(&path, limits.max_file_bytes.min(largest))?;
+        let max = file_bound(&path, &cfg, c, limits)?;
+        let bytes = read_regular_file(&path, max)?;
         Self::from_safetensors(&path, &bytes, &cfg, c)
+    }
+
+    /// Checks the PEFT adapter in `dir` for the base model `c` as far as can be done without
+    /// its weights, refusing what [`LoraAdapter::load`] would refuse for the same reason: its
+    /// `adapter_config.json` (read and checked whole) and the header of its
+    /// `adapter_model.safetensors` (the tensors' names, types and shapes, and the file's
+    /// length, read to the bounds a load reads to, the tensors' data never read). A few
+    /// kilobytes read where a load reads megabytes or more, so that a load into full memory
+    /// is refused before anything is dropped to make room for it. Passing it promises no
+    /// load: the values may not be finite (once scaled), and the files may change in between.
+    pub fn check(dir: &Path, c: &LlamaConfig, limits: &LoraLimits) -> Result<(), GpuError> {
+        let (cfg, path) = adapter_files(dir, limits)?;
+        let max = file_bound(&path, &cfg, c, limits)?;
+        let meta = read_header(&path, max)?;
+        let infos = meta.tensors();
+        layout(&path, &heads(&infos), &cfg, c).map(drop)
     }
 
     /// Builds the adapter from the bytes of `adapter_model.safetensors` (`path` names it in
@@ -618,105 +832,34 @@ impl LoraAdapter {
         cfg: &AdapterConfig,
         c: &LlamaConfig,
     ) -> Result<Self, GpuError> {
-        let st = SafeTensors::deserialize(bytes).map_err(|e| invalid(path, e.to_string()))?;
+        let (n, meta) =
+            SafeTensors::read_metadata(bytes).map_err(|e| invalid(path, e.to_string()))?;
+        let data = bytes.get(8 + n..).unwrap_or_default();
+        let infos = meta.tensors();
+        let layout = layout(path, &heads(&infos), cfg, c)?;
+        // The values of tensor `name`, checked finite.
+        let values = |name: &str| -> Result<Vec<f32>, GpuError> {
+            let info = infos
+                .get(name)
+                .ok_or_else(|| invalid(path, format!("tensor '{name}' is missing")))?;
+            let (start, end) = info.data_offsets;
+            let raw = data
+                .get(start..end)
+                .ok_or_else(|| invalid(path, format!("tensor '{name}' lies outside the file")))?;
+            to_f32(path, name, info.dtype, raw)
+        };
         let mut layers: Vec<[Option<LoraPair>; 7]> =
             (0..c.num_layers).map(|_| Default::default()).collect();
-        // The A halves until their B arrives (tensor order in the file is arbitrary).
-        let mut halves: Vec<[HalfPair; 7]> =
-            (0..c.num_layers).map(|_| Default::default()).collect();
-        let mut names = st.names();
-        names.sort();
-        if names.is_empty() {
-            return Err(invalid(path, "holds no tensors"));
+        for &(li, target, a, b) in &layout.pairs {
+            let (a, b) = (values(a)?, values(b)?);
+            let pair = LoraPair::new(c, target, cfg.rank, cfg.scale, a, b)
+                .map_err(|m| invalid(path, format!("layer {li} {}: {m}", target.module())))?;
+            layers[li][target.index()] = Some(pair);
         }
-        let mut skipped = 0usize;
-        for name in names {
-            let Some((layer, module, is_b)) = parse_name(name) else {
-                return Err(invalid(
-                    path,
-                    format!("tensor '{name}' is not a LoRA A/B matrix of a decoder projection (unsupported)"),
-                ));
-            };
-            let target = LoraTarget::from_path(module).ok_or_else(|| {
-                invalid(
-                    path,
-                    format!("tensor '{name}': module '{module}' is not a Llama projection"),
-                )
-            })?;
-            if layer >= c.num_layers {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "tensor '{name}': layer {layer} but the model has {}",
-                        c.num_layers
-                    ),
-                ));
-            }
-            // PEFT builds only the modules its configuration selects, and does not apply the
-            // file's other tensors: neither does this server (once each tensor is known to be
-            // one it could apply: what it cannot read is refused, selected or not).
-            if !cfg.modules.selects(module_key(name), layer) {
-                skipped += 1;
-                continue;
-            }
-            let t = st.tensor(name).map_err(|e| invalid(path, e.to_string()))?;
-            let (din, dout) = target.dims(c);
-            let want = if is_b {
-                [dout, cfg.rank]
-            } else {
-                [cfg.rank, din]
-            };
-            if t.shape() != want {
-                return Err(invalid(
-                    path,
-                    format!(
-                        "tensor '{name}' has shape {:?}, expected {want:?} (rank {}, model widths)",
-                        t.shape(),
-                        cfg.rank
-                    ),
-                ));
-            }
-            let values = to_f32(path, name, t.dtype(), t.data())?;
-            let slot = &mut halves[layer][target.index()];
-            let dst = if is_b { &mut slot.1 } else { &mut slot.0 };
-            if dst.replace(values).is_some() {
-                return Err(invalid(path, format!("tensor '{name}' appears twice")));
-            }
-        }
-        let mut adapted = 0usize;
-        for (li, row) in halves.into_iter().enumerate() {
-            for (target, (a, b)) in LoraTarget::ALL.into_iter().zip(row) {
-                let (a, b) = match (a, b) {
-                    (None, None) => continue,
-                    (Some(a), Some(b)) => (a, b),
-                    _ => {
-                        return Err(invalid(
-                            path,
-                            format!(
-                                "layer {li} {}: lora_A and lora_B must come together",
-                                target.module()
-                            ),
-                        ))
-                    }
-                };
-                let pair = LoraPair::new(c, target, cfg.rank, cfg.scale, a, b)
-                    .map_err(|m| invalid(path, format!("layer {li} {}: {m}", target.module())))?;
-                layers[li][target.index()] = Some(pair);
-                adapted += 1;
-            }
-        }
-        if adapted == 0 {
-            let why = if skipped > 0 {
-                ": target_modules / layers_to_transform in adapter_config.json select none of its tensors"
-            } else {
-                ""
-            };
-            return Err(invalid(path, format!("adapts no projection{why}")));
-        }
-        if skipped > 0 {
+        if layout.skipped > 0 {
             tracing::warn!(
                 path = %path.display(),
-                skipped,
+                skipped = layout.skipped,
                 "LoRA adapter: tensors of modules that adapter_config.json does not select \
                  (target_modules, layers_to_transform) are not applied, as PEFT does not"
             );
@@ -1267,6 +1410,178 @@ mod tests {
             .join("tests/fixtures/lora/smollm2-r4/adapter_model.safetensors");
         let len = std::fs::metadata(fixture).unwrap().len();
         assert!(len < largest_adapter_file(&smollm2, 4), "{len}");
+    }
+
+    /// `config` and the safetensors `bytes` written as an adapter in `d`: what
+    /// [`LoraAdapter::check`] and a load say of it (errors as text).
+    fn check_and_load(
+        d: &Path,
+        c: &LlamaConfig,
+        config: &str,
+        bytes: &[u8],
+    ) -> (Result<(), String>, Result<(), String>) {
+        std::fs::write(d.join("adapter_config.json"), config).unwrap();
+        std::fs::write(d.join("adapter_model.safetensors"), bytes).unwrap();
+        let limits = LoraLimits::default();
+        (
+            LoraAdapter::check(d, c, &limits).map_err(|e| e.to_string()),
+            LoraAdapter::load(d, c, &limits)
+                .map(drop)
+                .map_err(|e| e.to_string()),
+        )
+    }
+
+    /// The check before a load into full memory refuses, for the load's reason, every adapter
+    /// a load refuses for its configuration, its header or its tensors' names, types and
+    /// shapes; only values (not finite, once scaled) are left to the load.
+    #[test]
+    fn the_header_check_refuses_what_a_load_refuses_but_values() {
+        let c = tiny(RopeStyle::Halves);
+        let d = scratch("check");
+        let ok = file(&valid(&c));
+        let (check, load) = check_and_load(&d, &c, CONFIG, &ok);
+        assert_eq!((check, load), (Ok(()), Ok(())));
+        let edited = |edit: &Edit| {
+            let mut t = valid(&c);
+            edit(&mut t);
+            file(&t)
+        };
+        // An F64 tensor of the right shape, in place of layer 0's q A.
+        let f64_file = {
+            let mut t = valid(&c);
+            t.remove(0);
+            let mut views: Vec<(String, TensorView<'_>)> = Vec::new();
+            let bf16: Vec<Vec<u8>> = t
+                .iter()
+                .map(|(_, _, v)| {
+                    v.iter()
+                        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                        .collect()
+                })
+                .collect();
+            let f64s: Vec<u8> = values(64, 0.0)
+                .iter()
+                .flat_map(|x| f64::from(*x).to_le_bytes())
+                .collect();
+            views.push((
+                name(0, "q_proj", "A"),
+                TensorView::new(StDtype::F64, vec![2, 32], &f64s).unwrap(),
+            ));
+            for ((n, shape, _), b) in t.iter().zip(&bf16) {
+                views.push((
+                    n.clone(),
+                    TensorView::new(StDtype::BF16, shape.clone(), b).unwrap(),
+                ));
+            }
+            safetensors::serialize(views, None).unwrap()
+        };
+        let mut truncated = ok.clone();
+        truncated.truncate(ok.len() - 1);
+        let mut long_header = ok.clone();
+        long_header[..8].copy_from_slice(&(ok.len() as u64).to_le_bytes());
+        let twice = edited(&|t| {
+            let mut again = t[0].clone();
+            again.0 = again.0.replace("lora_A.weight", "lora_A.default.weight");
+            t.push(again)
+        });
+        let o_only = CONFIG.replace(r#"["q_proj", "v_proj"]"#, r#"["o_proj"]"#);
+        let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+            ("{not json", ok.clone(), "adapter_config.json"),
+            (r#"{"r": 65}"#, ok.clone(), "rank 65"),
+            (r#"{"r": 2, "use_dora": true}"#, ok.clone(), "DoRA"),
+            (CONFIG, b"not safetensors".to_vec(), "safetensors"),
+            (CONFIG, b"short".to_vec(), "safetensors"),
+            (CONFIG, truncated, "safetensors"),
+            (CONFIG, long_header, "safetensors"),
+            (CONFIG, file(&[]), "no tensors"),
+            (
+                CONFIG,
+                edited(&|t| {
+                    t[0].1 = vec![2, 16];
+                    t[0].2.truncate(32)
+                }),
+                "shape",
+            ),
+            (
+                CONFIG,
+                edited(&|t| t[0].0 = name(2, "q_proj", "A")),
+                "layer 2",
+            ),
+            (
+                CONFIG,
+                edited(&|t| t[0].0 = "base_model.model.lm_head.lora_A.weight".into()),
+                "not a LoRA",
+            ),
+            (CONFIG, edited(&|t| drop(t.remove(1))), "come together"),
+            (CONFIG, twice, "appears twice"),
+            (CONFIG, f64_file, "F64"),
+            (&o_only, ok.clone(), "select none of its tensors"),
+        ];
+        for (config, bytes, needle) in cases {
+            let (check, load) = check_and_load(&d, &c, config, &bytes);
+            let (check, load) = (check.unwrap_err(), load.unwrap_err());
+            assert!(check.contains(needle), "{needle}: {check}");
+            assert!(load.contains(needle), "{needle}: {load}");
+        }
+        // A file larger than its rank allows, and a missing one, are refused unread.
+        let (check, load) = check_and_load(&d, &c, CONFIG, &ok);
+        assert!(check.is_ok() && load.is_ok());
+        std::fs::remove_file(d.join("adapter_model.safetensors")).unwrap();
+        let limits = LoraLimits::default();
+        let e = LoraAdapter::check(&d, &c, &limits).unwrap_err().to_string();
+        assert!(e.contains("no adapter_model.safetensors"), "{e}");
+        let f = std::fs::File::create(d.join("adapter_model.safetensors")).unwrap();
+        f.set_len(largest_adapter_file(&c, 2) + 1).unwrap();
+        let e = LoraAdapter::check(&d, &c, &limits).unwrap_err().to_string();
+        assert!(e.contains("more than an adapter of rank 2"), "{e}");
+        // Values are the load's to check: a NaN passes the check and fails the load.
+        let (check, load) = check_and_load(&d, &c, CONFIG, &edited(&|t| t[0].2[3] = f32::NAN));
+        assert_eq!(check, Ok(()));
+        assert!(load.unwrap_err().contains("NaN"));
+    }
+
+    /// A header whose length field says more than the file's bound is refused before that
+    /// many bytes are read or held; a FIFO in place of the file is never opened.
+    #[test]
+    fn the_header_check_reads_to_the_load_s_bounds() {
+        let c = tiny(RopeStyle::Halves);
+        let d = scratch("check-bounds");
+        let mut huge = file(&valid(&c));
+        huge[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        let (check, _) = check_and_load(&d, &c, CONFIG, &huge);
+        assert!(check.unwrap_err().contains("too large"));
+        let e = read_header(&d.join("adapter_model.safetensors"), 10)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more than 10 bytes"), "{e}");
+        let (_irregular, paths) = crate::model::testing::irregular_paths("lora-check");
+        for p in paths {
+            let e = read_header(&p, 1 << 20).unwrap_err().to_string();
+            assert!(e.contains("not a regular file"), "{}: {e}", p.display());
+        }
+    }
+
+    /// The header check on the SmolLM2 fixture (rank 4, every projection of its 30 layers) is
+    /// cheap beside a load: the times are printed (`--nocapture`) for the record.
+    #[test]
+    fn the_header_check_is_cheap_beside_a_load() {
+        let c = LlamaConfig::smollm2_135m();
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/smollm2-r4");
+        let limits = LoraLimits::default();
+        let best = |f: &dyn Fn()| {
+            (0..20)
+                .map(|_| {
+                    let t0 = std::time::Instant::now();
+                    f();
+                    t0.elapsed()
+                })
+                .min()
+                .unwrap()
+        };
+        let check = best(&|| LoraAdapter::check(&dir, &c, &limits).expect("check"));
+        let load = best(&|| drop(LoraAdapter::load(&dir, &c, &limits).expect("load")));
+        println!("smollm2-r4: check {check:?}, load {load:?} (best of 20)");
+        assert!(check * 5 < load, "check {check:?}, load {load:?}");
     }
 
     #[test]

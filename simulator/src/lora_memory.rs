@@ -50,7 +50,11 @@
 //! out: the registry's own bound (`lora.max_adapters`, which unregisters found adapters to
 //! make room for others, each found again at the cost of one load), and a request's name
 //! check in `lora.adapter_dirs` before the front end (a look at the directories that reads
-//! nothing: the load is the one modelled here).
+//! nothing: the load is the one modelled here). Loads never fail here: every adapter's files
+//! are taken to be sound. On the server, files a load would refuse for their configuration or
+//! the header of their weights (a check of kilobytes, before `make_read_room` makes room)
+//! drop nothing; only a read that passes that check and still fails (values that are not
+//! finite, files changed in between) leaves the room it made free.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 

@@ -40,12 +40,18 @@
 //! recently used adapter that no request holds is dropped and loaded again on its next request.
 //! The room for a read into full memory is made before the read
 //! ([`LoraManager::make_read_room`]), so memory never holds one more while the files are
-//! read. Adapters in use are never dropped, nor are pinned ones (at most `max_loaded` are
-//! pinned), so while more than `max_loaded` are in use all of them stay (memory is then
-//! bounded by `max_adapters` adapters of at most `max_lora_rank`), and the excess is dropped
-//! once they
-//! are released: by the manager's next load, or on the next request for an adapter in memory,
-//! which asks the manager to evict again. How many different adapters run in one step is the
+//! read; and only once the adapter's `adapter_config.json` and the header of its
+//! `adapter_model.safetensors` (not its weights) pass a check of everything a load checks but
+//! the values ([`LoraAdapter::check`]), so an adapter that a load would refuse for its
+//! configuration, its header or its tensors' names, types and shapes drops nothing (its
+//! request gets the load's refusal). A read that passes the check and still fails (values
+//! that are not finite, files changed in between) leaves its slot free; the adapter dropped
+//! for it is read again on its next request. Adapters in use are never dropped, nor are
+//! pinned ones (at most `max_loaded` are pinned), so while more than `max_loaded` are in use
+//! all of them stay (memory is then bounded by `max_adapters` adapters of at most
+//! `max_lora_rank`), and the excess is dropped once they are released: by the manager's next
+//! load, or on the next request for an adapter in memory, which asks the manager to evict
+//! again. How many different adapters run in one step is the
 //! scheduler's limit (`max_loras`).
 //!
 //! Tenants' shares. An adapter read into memory for a request is charged to the request's
@@ -53,7 +59,8 @@
 //! bound what each of its tenants is charged (`tiers.<name>.max_cpu_loras_per_tenant`,
 //! [`LoraHandle::set_tenant_shares`]): a load for a tenant whose charged adapters fill its
 //! share drops the tenant's own least recently used one that no request holds once the new
-//! one has loaded (so a load that fails drops nothing; before the read when memory is full;
+//! one has loaded (so a load that fails drops nothing; before the read when memory is full,
+//! once the adapter's header passed the check;
 //! chosen and dropped under one write lock, as every eviction), and is refused before any
 //! read ([`LoraError::TenantShare`], a 429) when the ones the tenant's own requests use fill
 //! the share ([`share_fits`]: every one, for a tenant within its share). An adapter of the
@@ -751,6 +758,18 @@ impl LoraManager {
         Ok(Arc::new(adapter))
     }
 
+    /// Checks the adapter at `path` as far as can be done without reading its weights
+    /// ([`LoraAdapter::check`]: its `adapter_config.json` and the header of its
+    /// `adapter_model.safetensors`), refusing for the reason a load would give
+    /// ([`LoraError::Load`]); nothing is read into memory, and `reads` does not count it.
+    fn check(&self, path: &Path) -> Result<(), LoraError> {
+        LoraAdapter::check(path, &self.config.model, &self.config.limits).map_err(|e| {
+            tracing::debug!(path = %path.display(), error = %e,
+                "LoRA adapter refused by its header before room was made in memory for it");
+            LoraError::Load(e)
+        })
+    }
+
     /// Puts `adapter` in memory under `name` and `id`, charged to `owner`; `user`'s mark as
     /// its first user.
     fn make_resident(
@@ -832,9 +851,10 @@ impl LoraManager {
         }
         self.check_pin_room(name, pinned)?;
         // A full share of adapters in use refuses before any read; room in it is made once
-        // the adapter has loaded, so a load that fails drops none of the tenant's adapters.
+        // the adapter has loaded (before the read when memory is full, once the files pass
+        // the check), so a load that fails drops none of the tenant's adapters.
         self.make_share_room(charge, ShareRoom::Check)?;
-        let unregisters = self.make_read_room(charge, ReadFor::Registration, None)?;
+        let unregisters = self.make_read_room(charge, ReadFor::Registration, None, path)?;
         let adapter = self.load(path)?;
         self.make_share_room(charge, ShareRoom::Make)?;
         // Room made once the adapter loaded, so a refused one unregisters nothing.
@@ -1085,7 +1105,7 @@ impl LoraManager {
         self.check_pin_room(name, pinned)?;
         // The old weights count in memory while the new ones are read, and stay served if
         // the new ones fail to read.
-        self.make_read_room(None, ReadFor::Weights, Some(name))?;
+        self.make_read_room(None, ReadFor::Weights, Some(name), path)?;
         let adapter = self.load(path)?;
         let fingerprint = adapter.fingerprint();
         let id = if self.fingerprints.get(name) == Some(&fingerprint) {
@@ -1199,12 +1219,15 @@ impl LoraManager {
         let request = charge;
         let charge = charge.filter(|_| !info.pinned);
         // As in `register_held`: refused before the read, room made after it (before it
-        // when memory is full).
+        // when memory is full, once the files' configuration and header pass the check: a
+        // failure then is the load's, handled alike).
         self.make_share_room(charge, ShareRoom::Check)?;
-        self.make_read_room(charge, ReadFor::Weights, None)?;
-        let adapter = match self.load(&info.path) {
+        let read = self
+            .make_read_room(charge, ReadFor::Weights, None, &info.path)
+            .and_then(|_| self.load(&info.path));
+        let adapter = match read {
             Ok(adapter) => adapter,
-            Err(e) if info.discovered => {
+            Err(LoraError::Load(e)) if info.discovered => {
                 // Found in a directory, so found again (or not) as the directory now says.
                 let gone = !holds_adapter(&info.path);
                 tracing::warn!(
@@ -1221,7 +1244,7 @@ impl LoraManager {
                     LoraError::Reload(name.to_owned())
                 });
             }
-            Err(e) => {
+            Err(LoraError::Load(e)) => {
                 tracing::warn!(
                     name,
                     path = %info.path.display(),
@@ -1231,6 +1254,8 @@ impl LoraManager {
                 );
                 return Err(LoraError::Reload(name.to_owned()));
             }
+            // A refusal of the tenant's share, as before the read.
+            Err(e) => return Err(e),
         };
         self.make_share_room(charge, ShareRoom::Make)?;
         let mut id = info.id;
@@ -1363,16 +1388,21 @@ impl LoraManager {
         self.evict_to(self.config.max_loaded, None);
     }
 
-    /// Makes room in memory for an adapter about to be read, so that the adapters in memory
-    /// and the one being read are at most `max_loaded` while it is read. Once memory is full,
-    /// what the load would otherwise drop once read goes first, before the read: the tenant's
+    /// Makes room in memory for the adapter at `path`, about to be read, so that the adapters
+    /// in memory and the one being read are at most `max_loaded` while it is read. Once memory
+    /// is full, the adapter's files are checked first, from its `adapter_config.json` and the
+    /// header of its `adapter_model.safetensors` alone ([`Self::check`]: kilobytes read, no
+    /// weights): files a load would refuse for their configuration, their header or their
+    /// tensors' names, types and shapes are refused here, for the load's reason, and nothing
+    /// is dropped. Then what the load would otherwise drop once read goes, before the read: the tenant's
     /// room in its share ([`Self::make_share_room`]: charges moved, or its own least recently
     /// used adapter that no request holds), the adapter found in a directory that a
     /// registration unregisters from a full registry ([`Self::room_victim`]); then the least
     /// recently used adapters that no request holds, as [`Self::evict`] drops them, but for
     /// `keep` (a replacement's old weights: requests for the name are served them while the
     /// new ones are read, and a replacement that fails to read leaves them served, whatever
-    /// its directory now holds). So a read that fails leaves its slot free, and an adapter
+    /// its directory now holds). A read that passed the check and still fails (values that
+    /// are not finite, or files changed in between) leaves its slot free, and an adapter
     /// dropped for it is read again when a request names it. Adapters in use and
     /// pinned ones are never dropped: with memory full of them the read goes ahead (its
     /// request is served, as it always was) and memory holds more while they are in use.
@@ -1384,12 +1414,16 @@ impl LoraManager {
         charge: Option<&Charge>,
         read: ReadFor,
         keep: Option<&str>,
+        path: &Path,
     ) -> Result<Option<String>, LoraError> {
         let (registry, max) = (self.registry.clone(), self.config.max_loaded);
         let full = || registry.0.state.read().resident.len() >= max;
         if !full() {
             return Ok(None);
         }
+        // Nothing is dropped for files that a load would refuse for their configuration or
+        // their tensors' names, types and shapes.
+        self.check(path)?;
         self.make_share_room(charge, ShareRoom::Make)?;
         let mut unregisters = None;
         if full() && read == ReadFor::Registration {

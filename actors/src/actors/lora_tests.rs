@@ -345,17 +345,30 @@ fn a_failed_reload_names_the_adapter_but_not_its_files() {
     m.register("a", &dir.0).expect("a");
     m.register("b", &fixture()).expect("b");
     std::fs::remove_file(dir.0.join("adapter_model.safetensors")).unwrap();
+    let reads = m.reads;
     let e = m.resolve("a").expect_err("the files are gone");
     assert!(matches!(&e, LoraError::Reload(n) if n == "a"), "{e:?}");
     let message = e.to_string();
     assert_eq!(message, "LoRA adapter 'a' could not be loaded");
-    // Still registered. b made room for the read (memory keeps one adapter, the one being
-    // read included): the slot stays free, and b is read again on its next request.
+    // Still registered. Refused before room was made for its read (memory keeps one
+    // adapter, the one being read included): b stays, with no read again.
     assert!(m.registry.contains("a"));
-    assert!(m.loaded().is_empty());
-    let reads = m.reads;
+    assert_eq!(m.loaded(), ["b"]);
     m.resolve("b").expect("b");
-    assert_eq!((m.loaded(), m.reads), (vec!["b".to_string()], reads + 1));
+    assert_eq!((m.loaded(), m.reads), (vec!["b".to_string()], reads));
+    // Weights that pass the check but not the load (a NaN): b made room for the read, the
+    // slot stays free, and b is read again on its next request.
+    std::fs::copy(
+        fixture().join("adapter_model.safetensors"),
+        dir.0.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    poison(&dir.0);
+    let e = m.resolve("a").expect_err("a NaN");
+    assert!(matches!(&e, LoraError::Reload(n) if n == "a"), "{e:?}");
+    assert!(m.loaded().is_empty());
+    m.resolve("b").expect("b");
+    assert_eq!((m.loaded(), m.reads), (vec!["b".to_string()], reads + 2));
 }
 
 /// A manager that looks for adapters in `dirs`.
@@ -985,11 +998,8 @@ fn bounded_while_read(starts: &[(usize, bool)], max: usize) -> bool {
 #[test]
 fn memory_holds_at_most_max_cpu_loras_adapters_while_one_is_read() {
     let root = AdapterCopy::holding("read-room", &["d1", "bad"]);
-    std::fs::write(
-        root.0.join("bad/adapter_model.safetensors"),
-        b"not safetensors",
-    )
-    .unwrap();
+    // Its configuration and header pass the check before the read; its values fail the load.
+    poison(&root.0.join("bad"));
     let mut m = finder(8, 2, &[&root.0]);
     m.register("a", &fixture()).expect("a");
     m.register("b", &fixture()).expect("b");
@@ -1005,8 +1015,9 @@ fn memory_holds_at_most_max_cpu_loras_adapters_while_one_is_read() {
     assert!(bounded_while_read(&starts, 2), "{starts:?}");
     assert_eq!(starts.len(), 5);
     assert_eq!(m.loaded(), ["a", "d1"]);
-    // A read that fails gives its slot back: one adapter in memory, and the one dropped for
-    // the read (d1, the least recently used) is read again for its next request.
+    // A read that passes the check and fails gives its slot back: one adapter in memory, and
+    // the one dropped for the read (d1, the least recently used) is read again for its next
+    // request.
     let e = m.resolve("bad").expect_err("broken files");
     assert!(matches!(e, LoraError::Reload(_)), "{e:?}");
     assert_eq!(m.loaded(), ["a"]);
@@ -1030,7 +1041,8 @@ fn memory_holds_at_most_max_cpu_loras_adapters_while_one_is_read() {
 /// A replacement read into full memory keeps the old weights whoever is the least recently
 /// used: the room is made from other adapters, and one whose files do not load leaves the
 /// old weights served with no read again, even where the name's directory now holds broken
-/// files.
+/// files. Files the check before the read refuses make no room; files that pass it and fail
+/// the load (a NaN) leave the room made.
 #[test]
 fn a_failed_replacement_into_full_memory_leaves_the_old_weights_served() {
     let root = AdapterCopy::holding("replace-full", &["x"]);
@@ -1041,7 +1053,19 @@ fn a_failed_replacement_into_full_memory_leaves_the_old_weights_served() {
     m.resolve("y").expect("y");
     // x is now the least recently used; its files are overwritten with broken ones.
     std::fs::write(dir.join("adapter_model.safetensors"), b"not safetensors").unwrap();
+    let reads = m.reads;
     let e = m.replace("x", &dir).expect_err("broken files");
+    assert!(matches!(e, LoraError::Load(_)), "{e:?}");
+    assert_eq!(m.loaded(), ["x", "y"], "refused before room was made");
+    assert_eq!(m.reads, reads, "nothing read");
+    std::fs::copy(
+        fixture().join("adapter_model.safetensors"),
+        dir.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    poison(&dir);
+    m.resolve("y").expect("y");
+    let e = m.replace("x", &dir).expect_err("a NaN");
     assert!(matches!(e, LoraError::Load(_)), "{e:?}");
     assert_eq!(m.loaded(), ["x"], "y made the room for the read");
     let reads = m.reads;
@@ -1281,4 +1305,260 @@ fn a_share_that_moving_charges_cannot_free_is_refused_before_the_read() {
     m.resolve_for("z", Some(&bob)).expect("z");
     assert_eq!(m.reads, reads + 1);
     drop((carol_c, carol_x));
+}
+
+/// The adapters in memory, least recently used first.
+fn lru(m: &LoraManager) -> Vec<String> {
+    let state = m.registry.0.state.read();
+    let mut by_use: Vec<(u64, String)> = state
+        .resident
+        .iter()
+        .map(|(name, r)| (r.last_used.load(Ordering::Relaxed), name.clone()))
+        .collect();
+    by_use.sort();
+    by_use.into_iter().map(|(_, name)| name).collect()
+}
+
+/// The header of `dir`'s `adapter_model.safetensors` (its JSON object) and where its data
+/// starts.
+fn header(dir: &Path) -> (serde_json::Map<String, serde_json::Value>, usize) {
+    let bytes = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    (serde_json::from_slice(&bytes[8..8 + n]).unwrap(), 8 + n)
+}
+
+/// Rewrites the header of `dir`'s `adapter_model.safetensors` with `edit`, its data kept.
+fn edit_header(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let path = dir.join("adapter_model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let (mut h, start) = header(dir);
+    edit(&mut h);
+    let mut text = serde_json::to_vec(&h).unwrap();
+    while text.len() % 8 != 0 {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(&bytes[start..]);
+    std::fs::write(path, out).unwrap();
+}
+
+/// Renames the tensor `from` of `dir`'s adapter to `to`.
+fn rename_tensor(dir: &Path, from: &str, to: &str) {
+    edit_header(dir, |h| {
+        let t = h.remove(from).unwrap();
+        h.insert(to.into(), t);
+    });
+}
+
+/// Sets `field` of the tensor `name` of `dir`'s adapter (its type or its shape).
+fn set_tensor(dir: &Path, name: &str, field: &str, value: serde_json::Value) {
+    edit_header(dir, |h| h[name][field] = value);
+}
+
+/// Sets `adapter_config.json` fields of `dir`'s adapter.
+fn set_config(dir: &Path, fields: serde_json::Value) {
+    let file = dir.join("adapter_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    for (k, v) in fields.as_object().unwrap() {
+        config[k] = v.clone();
+    }
+    std::fs::write(&file, config.to_string()).unwrap();
+}
+
+/// Layer 0's `q_proj` halves in the fixture adapter.
+const Q0_A: &str = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight";
+const Q0_B: &str = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight";
+
+/// A way to break an adapter's files (its name, and what breaks the adapter in a directory).
+type Breakage = (&'static str, fn(&Path));
+
+/// Ways to break a copy of the fixture adapter (in the directory given) that a load refuses
+/// for its configuration, the header of its weights' file or its tensors' names, types and
+/// shapes: what the check before a read into full memory catches.
+fn caught_before_the_read() -> Vec<Breakage> {
+    vec![
+        ("config-missing", |d| {
+            std::fs::remove_file(d.join("adapter_config.json")).unwrap()
+        }),
+        ("config-not-json", |d| {
+            std::fs::write(d.join("adapter_config.json"), "{not json").unwrap()
+        }),
+        ("config-rank-over-max", |d| {
+            set_config(d, serde_json::json!({"r": 128}))
+        }),
+        ("config-dora", |d| {
+            set_config(d, serde_json::json!({"use_dora": true}))
+        }),
+        ("config-selects-nothing", |d| {
+            set_config(d, serde_json::json!({"target_modules": ["lm_head"]}))
+        }),
+        ("weights-missing", |d| {
+            std::fs::remove_file(d.join("adapter_model.safetensors")).unwrap()
+        }),
+        ("weights-not-safetensors", |d| {
+            std::fs::write(d.join("adapter_model.safetensors"), b"not safetensors").unwrap()
+        }),
+        ("weights-truncated", |d| {
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(d.join("adapter_model.safetensors"))
+                .unwrap();
+            let len = f.metadata().unwrap().len();
+            f.set_len(len - 1).unwrap();
+        }),
+        ("weights-header-past-the-file", |d| {
+            let p = d.join("adapter_model.safetensors");
+            let mut bytes = std::fs::read(&p).unwrap();
+            let len = bytes.len() as u64;
+            bytes[..8].copy_from_slice(&len.to_le_bytes());
+            std::fs::write(p, bytes).unwrap();
+        }),
+        ("tensor-not-a-projection", |d| {
+            rename_tensor(d, Q0_A, "base_model.model.lm_head.lora_A.weight")
+        }),
+        ("tensor-layer-past-the-model", |d| {
+            rename_tensor(d, Q0_A, &Q0_A.replace("layers.0.", "layers.99."))
+        }),
+        ("tensor-twice", |d| {
+            rename_tensor(
+                d,
+                Q0_B,
+                &Q0_A.replace("lora_A.weight", "lora_A.default.weight"),
+            )
+        }),
+        ("tensor-shape", |d| {
+            // As many values, another shape.
+            let (h, _) = header(d);
+            let shape: Vec<usize> = serde_json::from_value(h[Q0_A]["shape"].clone()).unwrap();
+            let other = serde_json::json!([shape[0] * 2, shape[1] / 2]);
+            set_tensor(d, Q0_A, "shape", other)
+        }),
+        ("tensor-type", |d| {
+            // As many bytes, a type no load reads.
+            set_tensor(d, Q0_A, "dtype", "I16".into())
+        }),
+    ]
+}
+
+/// The adapter of `dir` with one value of its first tensor made NaN: its configuration and
+/// header pass the check, the load refuses its values.
+fn poison(dir: &Path) {
+    let (h, start) = header(dir);
+    let first = h
+        .values()
+        .find(|t| t["data_offsets"][0] == 0)
+        .expect("a tensor at the data's start");
+    let nan: &[u8] = match first["dtype"].as_str().unwrap() {
+        "BF16" => &[0xc0, 0x7f],
+        "F16" => &[0x00, 0x7e],
+        "F32" => &[0x00, 0x00, 0xc0, 0x7f],
+        other => panic!("fixture dtype {other}"),
+    };
+    let path = dir.join("adapter_model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[start..start + nan.len()].copy_from_slice(nan);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Regression: with memory full, room for a read was made before the files were read, so a
+/// load that failed dropped an adapter for nothing (read again on its next request; under a
+/// tenant's share, the tenant's own). Files a load would refuse for their configuration, their
+/// header or their tensors' names, types and shapes are refused now before anything is
+/// dropped: memory keeps the same adapters in the same least-recently-used order, nothing is
+/// read, and each request gets the error it got before (the same HTTP status): an admin's
+/// registration or replacement the load's reason (400), a reload or a found adapter the
+/// server's failure (503), a directory's adapter without a configuration not found (404).
+/// Then a valid adapter still makes its room and loads.
+#[test]
+fn files_a_load_would_refuse_drop_nothing_from_full_memory() {
+    for (what, break_files) in caught_before_the_read() {
+        let root = AdapterCopy::holding(
+            &format!("early-{what}"),
+            &["op", "found", "a", "b", "bad", "fine"],
+        );
+        let dir = |name: &str| root.0.join(name);
+        let mut m = finder(16, 2, &[&root.0]);
+        // op (an operator's) and found (a directory's) registered, then out of memory; a and
+        // b in memory, a the most recently used.
+        m.register("op", &dir("op")).expect("op");
+        found(&mut m, "found").expect("found");
+        found(&mut m, "a").expect("a");
+        found(&mut m, "b").expect("b");
+        m.resolve("a").expect("a");
+        let before = (lru(&m), m.registry.list(), m.reads);
+        assert_eq!(before.0, ["b", "a"], "{what}");
+        for name in ["op", "found", "bad"] {
+            break_files(&dir(name));
+        }
+        let unchanged = |m: &LoraManager, how: &str| {
+            assert_eq!(lru(m), before.0, "{what}: {how}");
+            assert_eq!(m.reads, before.2, "{what}: {how}: nothing read");
+        };
+        // An admin's registration and replacement: the load's reason, the client's 400.
+        let e = m.register("new", &dir("bad")).expect_err("broken");
+        assert!(matches!(e, LoraError::Load(_)), "{what}: {e:?}");
+        unchanged(&m, "registration");
+        let e = m.replace("a", &dir("bad")).expect_err("broken");
+        assert!(matches!(e, LoraError::Load(_)), "{what}: {e:?}");
+        unchanged(&m, "replacement");
+        // A directory's adapter: the server's 503 (404 without a configuration: none found).
+        let e = m.resolve("bad").expect_err("broken");
+        match what {
+            "config-missing" => assert!(matches!(e, LoraError::Unknown(_)), "{e:?}"),
+            _ => assert!(
+                matches!(&e, LoraError::Reload(n) if n == "bad"),
+                "{what}: {e:?}"
+            ),
+        }
+        unchanged(&m, "found");
+        // Reloads: an operator's stays registered (503); a found one is unregistered, to be
+        // found again as its directory says.
+        let e = m.resolve("op").expect_err("broken");
+        assert!(
+            matches!(&e, LoraError::Reload(n) if n == "op"),
+            "{what}: {e:?}"
+        );
+        unchanged(&m, "reload");
+        assert!(m.registry.contains("op"));
+        let e = m.resolve("found").expect_err("broken");
+        match what {
+            "config-missing" => assert!(matches!(e, LoraError::Unknown(_)), "{e:?}"),
+            _ => assert!(
+                matches!(&e, LoraError::Reload(n) if n == "found"),
+                "{what}: {e:?}"
+            ),
+        }
+        unchanged(&m, "reload of a found adapter");
+        assert!(!m.registry.contains("found"));
+        let mut listed = before.1.clone();
+        listed.retain(|a| a.name != "found");
+        assert_eq!(m.registry.list(), listed, "{what}");
+        // A valid adapter makes its room (b, the least recently used, goes) and loads.
+        read_starts(&m.registry);
+        found(&mut m, "fine").expect("fine");
+        assert_eq!(lru(&m), ["a", "fine"], "{what}");
+        assert_eq!(m.reads, before.2 + 1, "{what}");
+        assert_eq!(read_starts(&m.registry), [(1, true)], "{what}");
+    }
+}
+
+/// The tenant's share: a load into full memory for a tenant whose share is full dropped the
+/// tenant's own cached adapter before the read, even when the files were broken. Refused
+/// now before that room is made (the server's 503, as before), the tenant's adapter kept.
+#[test]
+fn files_a_load_would_refuse_drop_none_of_the_tenant_s_adapters_from_full_memory() {
+    let (root, mut m) = sharing("early-share", &["a1", "a2", "bad"], 1, &[("gold", 1)]);
+    std::fs::write(root.0.join("bad/adapter_config.json"), "{not json").unwrap();
+    let acme = charge("acme", "gold");
+    m.resolve_for("a1", Some(&acme)).expect("a1");
+    let reads = m.reads;
+    let e = m.resolve_for("bad", Some(&acme)).expect_err("broken files");
+    assert!(matches!(&e, LoraError::Reload(n) if n == "bad"), "{e:?}");
+    assert_eq!((m.loaded(), m.reads), (vec!["a1".to_string()], reads));
+    assert_eq!(owners(&m), [("a1".to_string(), Some("acme".to_string()))]);
+    // A valid one makes its room in the share and in memory.
+    m.resolve_for("a2", Some(&acme)).expect("a2");
+    assert_eq!((m.loaded(), m.reads), (vec!["a2".to_string()], reads + 1));
 }
