@@ -784,6 +784,79 @@ fn bench_serve_refuses_an_empty_token_range() {
     );
 }
 
+/// A misspelt policy name or parameter is given the name it most likely misspells, and in a
+/// spec file the line it is written on (a parameter's error named the file alone: the
+/// policies read their parameters past where the YAML parser locates errors).
+#[test]
+fn simulate_locates_a_misspelt_policy_or_parameter_and_suggests_the_name() {
+    let dir = temp_dir("simulate-policy-typo");
+    let trace =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples/sim-sample-trace.jsonl");
+    let spec = dir.join("spec.yaml");
+    let write = |policies: &str| {
+        let text = format!(
+            "seed: 1\nmodel: smollm2-135m\n{policies}workload:\n  trace: {}\n  format: jsonl\n",
+            trace.display()
+        );
+        std::fs::write(&spec, text).unwrap();
+    };
+    let simulate = || {
+        let mut c = switchyard();
+        c.args(["simulate", "--config"])
+            .arg(&spec)
+            .arg("--out")
+            .arg(dir.join("out"));
+        c
+    };
+    let s = spec.display();
+    for (policies, want) in [
+        (
+            "policies: [{name: fcfs}, {name: slo-aware, params: {step_overhed_ms: 5}}]\n".to_string(),
+            format!(
+                "{s}:3: policies: policy `slo-aware`: parameter `step_overhed_ms`: unknown \
+                 parameter (did you mean `step_overhead_ms`?)"
+            ),
+        ),
+        (
+            "policies:\n  - name: fcfs\n  - name: slo-aware\n    params:\n      step_overhed_ms: 5\n"
+                .to_string(),
+            format!("{s}:7: policies: policy `slo-aware`: parameter `step_overhed_ms`"),
+        ),
+        (
+            "policies:\n  - name: fcfs\n  - name: slo-awre\n".to_string(),
+            format!(
+                "{s}:5: policies: unknown scheduling policy `slo-awre` (did you mean \
+                 `slo-aware`?); known policies: fcfs"
+            ),
+        ),
+    ] {
+        write(&policies);
+        let err = fails(&mut simulate());
+        assert!(err.contains(&want), "{policies}: {err}");
+        assert!(!err.contains("requests, done in"), "ran first: {err}");
+    }
+    let err = fails(&mut simulate_sample("fcfs,slo-awre", &dir.join("out")));
+    assert!(
+        err.contains("unknown scheduling policy `slo-awre` (did you mean `slo-aware`?)"),
+        "{err}"
+    );
+    // Far from every known name: no guess.
+    let err = fails(&mut simulate_sample("fcfs,lottery", &dir.join("out")));
+    assert!(
+        err.contains("unknown scheduling policy `lottery`; known policies: fcfs"),
+        "{err}"
+    );
+    // The server's configuration names the same policies.
+    let config = dir.join("config.yaml");
+    std::fs::write(&config, "scheduler:\n  policy: { name: priorty }\n").unwrap();
+    let err = fails(switchyard().args(["config", "check"]).arg(&config));
+    assert!(
+        err.contains(&format!("{}:2", config.display()))
+            && err.contains("`priorty` (did you mean `priority`?)"),
+        "{err}"
+    );
+}
+
 /// `--policies` naming one policy twice says what to do instead (the command line has no
 /// labels).
 #[test]

@@ -811,8 +811,30 @@ impl SimulationSpec {
             message: e.to_string(),
         })?;
         spec.validate().map_err(|m| SimError::spec(path, m))?;
+        spec.check_policies(text, path)?;
         spec.source = path.to_path_buf();
         Ok(spec)
+    }
+
+    /// Builds each policy from the spec's own parameters, as the registry that runs it does,
+    /// so that an unknown name or a misspelt or out-of-range parameter is refused with the
+    /// line of `text` it is written on (serde's location ends at `params`, which the policies
+    /// read themselves). The simulation builds them again, a calibration's figures filled in
+    /// ([`crate::slo_params`]): those are kept within the policy's bounds.
+    fn check_policies(&self, text: &str, path: &Path) -> Result<(), SimError> {
+        let registry = switchyard_policies::PolicyRegistry::with_builtins();
+        let tiers = tier_specs(&self.tiers);
+        for (i, p) in self.policies.iter().enumerate() {
+            if let Err(e) = registry.create(&p.name, &p.params, &tiers) {
+                return Err(SimError::Spec {
+                    path: path.to_path_buf(),
+                    line: policy_error_line(text, i, &e),
+                    column: None,
+                    message: format!("policies: {e}"),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The file errors name: the spec file, "<cli>" for flags, "<spec>" for a spec built in
@@ -1193,6 +1215,55 @@ fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
     Ok(())
 }
 
+/// The tiers as the policies take them.
+pub(crate) fn tier_specs(tiers: &BTreeMap<String, TierConf>) -> Vec<switchyard_policies::TierSpec> {
+    tiers
+        .iter()
+        .map(|(name, t)| switchyard_policies::TierSpec {
+            name: name.clone(),
+            ttft_ms: t.ttft_ms,
+            tpot_ms: t.tpot_ms,
+            weight: t.weight,
+            preemptible: t.preemptible,
+            max_queue_ms: t.max_queue_ms,
+            max_kv_fraction: t.max_kv_fraction,
+        })
+        .collect()
+}
+
+/// The line of `text` where the error `e` of the spec's `index`-th policy is written: the
+/// parameter it names, else the policy's `params`, its `name` for an unknown policy, else the
+/// entry or the `policies` key (`None` where the YAML's layout hides it, e.g. a flow list
+/// over several lines).
+fn policy_error_line(
+    text: &str,
+    index: usize,
+    e: &switchyard_policies::PolicyError,
+) -> Option<usize> {
+    use switchyard_policies::PolicyError;
+    let entry = format!("policies[{index}]");
+    let field = match e {
+        PolicyError::UnknownPolicy { .. } => Some(format!("{entry}.name")),
+        PolicyError::InvalidParam { field, .. } if field == "params" => None,
+        PolicyError::InvalidParam { field, .. }
+            if !field.is_empty()
+                && field
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') =>
+        {
+            Some(format!("{entry}.params.{field}"))
+        }
+        _ => None,
+    };
+    let params = format!("{entry}.params");
+    let line = field
+        .iter()
+        .map(String::as_str)
+        .chain([params.as_str(), entry.as_str(), "policies"])
+        .find_map(|f| switchyard_config::locate(text, f));
+    line
+}
+
 /// Whether `l` is a valid policy label (it names the policy's per-request file).
 pub(crate) fn valid_label(l: &str) -> bool {
     !l.is_empty()
@@ -1346,7 +1417,7 @@ mod tests {
     const GOOD: &str = "
 seed: 3
 model: smollm2-135m
-policies: [{name: fcfs}, {name: fcfs, label: fcfs-2, params: {x: 1}}]
+policies: [{name: fcfs}, {name: fcfs, label: fcfs-2, params: {}}]
 tiers:
   premium: {ttft_ms: 200, tpot_ms: 40, weight: 4}
   batch: {preemptible: true, priority: 2}
@@ -1372,6 +1443,55 @@ workload:
         assert_eq!(s.policies[1].label(), "fcfs-2");
         assert_eq!(s.tiers["batch"].weight, 1.0);
         assert_eq!(s.workload.mix.tier_mix().entries[0].0, "batch");
+    }
+
+    /// A policy's parameters are read by the policy, past where serde locates errors: an
+    /// unknown policy, a misspelt or out-of-range parameter is named with the line it is
+    /// written on, in each layout a spec writes its policies in.
+    #[test]
+    fn policy_errors_name_the_line_they_are_written_on() {
+        let with = |policies: &str| {
+            let text = GOOD.replace(
+                "policies: [{name: fcfs}, {name: fcfs, label: fcfs-2, params: {}}]\n",
+                policies,
+            );
+            assert_ne!(text, GOOD);
+            parse(&text).unwrap_err().to_string()
+        };
+        let cases = [
+            (
+                "policies: [{name: fcfs}, {name: slo-aware, params: {step_overhed_ms: 5}}]\n",
+                "sim.yaml:4: policies: policy `slo-aware`: parameter `step_overhed_ms`: \
+                 unknown parameter",
+            ),
+            (
+                "policies:\n  - name: fcfs\n  - name: slo-aware\n    params:\n      \
+                 pace_fraction: 0.5\n      step_overhed_ms: 5\n",
+                "sim.yaml:9: policies: policy `slo-aware`: parameter `step_overhed_ms`",
+            ),
+            (
+                "policies:\n  - name: fcfs\n  - name: slo-aware\n    params: {step_overhead_ms: -1}\n",
+                "sim.yaml:7: policies: policy `slo-aware`: parameter `step_overhead_ms`: must be in",
+            ),
+            (
+                "policies:\n  - name: fcfs\n  - {name: slo-awre}\n",
+                "sim.yaml:6: policies: unknown scheduling policy `slo-awre`",
+            ),
+            (
+                "policies:\n  - name: fcfs\n  - name: priority\n    params: [1]\n",
+                "sim.yaml:7: policies: policy `priority`: parameter `params`: expected a mapping",
+            ),
+        ];
+        for (policies, want) in cases {
+            let err = with(policies);
+            assert!(err.starts_with(want), "{policies}: {err}");
+        }
+        // A flow list over several lines hides the entry: the line of `policies` is named.
+        let err = with("policies: [\n  {name: fcfs, params: {x: 1}}]\n");
+        assert!(
+            err.starts_with("sim.yaml:4: policies: policy `fcfs`"),
+            "{err}"
+        );
     }
 
     #[test]
