@@ -857,6 +857,27 @@ fn simulate_locates_a_misspelt_policy_or_parameter_and_suggests_the_name() {
     );
 }
 
+/// An output that cannot be written is named as the user asked for it, under `--out`: the
+/// error named the temporary file it is written through (`summary.json.tmp`), which the user
+/// never asked for, as the file at fault.
+#[test]
+fn simulate_names_an_output_it_cannot_write_by_its_own_name() {
+    let dir = temp_dir("simulate-write-error");
+    let out = dir.join("out");
+    // A directory where the temporary file goes: not ours to remove, and not writable as a file.
+    std::fs::create_dir_all(out.join("summary.json.tmp")).unwrap();
+    let err = fails(&mut simulate_sample("fcfs", &out));
+    let summary = out.join("summary.json");
+    assert!(
+        err.contains(&format!(
+            "{}: writing its temporary file summary.json.tmp (renamed over it once whole): ",
+            summary.display()
+        )),
+        "{err}"
+    );
+    assert!(out.join("summary.json.tmp").is_dir() && !summary.exists());
+}
+
 /// `--policies` naming one policy twice says what to do instead (the command line has no
 /// labels).
 #[test]
