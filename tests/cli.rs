@@ -601,6 +601,70 @@ fn bench_throughput_names_a_missing_dataset_before_the_model_loads() {
     }
 }
 
+/// `bench throughput` refuses a dataset whose start cannot be one before the model loads, as
+/// `bench serve` does: `/dev/zero` was read to the 1 GiB bound after the model loaded and
+/// only then refused as too large, and a CSV without the header's columns was found once
+/// the weights were in memory.
+#[test]
+fn bench_throughput_refuses_a_dataset_at_its_start_before_the_model_loads() {
+    let dir = temp_dir("bench-dataset-start");
+    let headless = dir.join("headless.csv");
+    std::fs::write(&headless, "12,5\n30,7\n").unwrap();
+    let trace = dir.join("trace.csv");
+    std::fs::write(&trace, "[{\"input_length\": 8}]\n").unwrap();
+    let zero = std::path::Path::new("/dev/zero");
+    for (dataset, path, why) in [
+        (
+            "sharegpt",
+            zero,
+            "/dev/zero: not a CSV file: no line end in its first".to_string(),
+        ),
+        (
+            "mooncake",
+            zero,
+            "/dev/zero: not JSON Lines of objects (its first character is byte 0x00, not `{`)"
+                .to_string(),
+        ),
+        (
+            "sharegpt",
+            &headless,
+            format!(
+                "{}: the header has no column num_prefill_tokens",
+                headless.display()
+            ),
+        ),
+        (
+            "mooncake",
+            &trace,
+            format!(
+                "{}: not JSON Lines of objects (its first character is `[`, not `{{`)",
+                trace.display()
+            ),
+        ),
+    ] {
+        // A model path that is not a model: loading it would fail naming it.
+        let err = common::fails_within(
+            switchyard()
+                .args(["bench", "throughput", "--backend", "cpu"])
+                .args(["--dataset", dataset, "--num-prompts", "1"])
+                .args(["--model", "/nonexistent/model.gguf"])
+                .arg("--dataset-path")
+                .arg(path),
+            std::time::Duration::from_secs(20),
+            &format!("bench throughput --dataset {dataset} on {}", path.display()),
+        );
+        assert!(
+            err.contains(&format!(
+                "the dataset file {} (pass another with --dataset-path)",
+                path.display()
+            )) && err.contains(&why)
+                && !err.contains("model.gguf"),
+            "{dataset} {}: {err}",
+            path.display()
+        );
+    }
+}
+
 /// A negative number given to a numeric flag of `generate` is that flag's value, refused as
 /// out of range and named: `--temperature -1` read as an unknown argument `-1` ("unexpected
 /// argument '-1' found"), which names neither the flag nor what is wrong with it.
