@@ -509,20 +509,65 @@ fn a_spec_and_a_server_configuration_given_to_the_wrong_command_say_which_they_a
 
 /// A configuration path that is a FIFO (which no one writes) is refused as not a regular file,
 /// at once: the read checks the kind before opening it, and the hint that follows a refusal
-/// (is it the other kind of file?) used to open it again and block forever.
+/// (is it the other kind of file?) used to open it again and block forever. So are a
+/// simulation spec, `simulate --tiers` and a spec's calibration file, whose opening waited
+/// for a writer without a word.
 #[test]
-fn config_check_and_serve_refuse_a_fifo_at_once() {
+fn config_check_serve_and_simulate_refuse_a_fifo_at_once() {
     let dir = temp_dir("fifo");
     let fifo = dir.join("config.yaml");
     let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
     assert!(made.success(), "mkfifo failed");
-    for args in [&["config", "check"][..], &["serve", "--config"][..]] {
-        let err = common::fails_within(
-            switchyard().args(args).arg(&fifo),
-            std::time::Duration::from_secs(20),
-            &format!("switchyard {} on a FIFO", args.join(" ")),
-        );
-        assert!(err.contains("not a regular file"), "{err}");
+    let trace =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples/sim-sample-trace.jsonl");
+    // A spec whose calibration file is the FIFO.
+    let spec = dir.join("spec.yaml");
+    std::fs::write(
+        &spec,
+        format!(
+            "calibration: config.yaml\npolicies: [{{name: fcfs}}]\n\
+             workload: {{trace: {}, format: jsonl}}\n",
+            trace.display()
+        ),
+    )
+    .unwrap();
+    let command = |args: &[&str], file: &std::path::Path, out: bool| {
+        let mut c = switchyard();
+        c.args(args).arg(file);
+        if out {
+            c.arg("--out").arg(dir.join("out"));
+        }
+        c
+    };
+    let tiers: Vec<String> = ["simulate", "--format", "jsonl", "--trace"]
+        .into_iter()
+        .map(String::from)
+        .chain([trace.display().to_string(), "--tiers".into()])
+        .collect();
+    let tiers: Vec<&str> = tiers.iter().map(String::as_str).collect();
+    let runs = [
+        (
+            command(&["config", "check"], &fifo, false),
+            "not a regular file",
+        ),
+        (
+            command(&["serve", "--config"], &fifo, false),
+            "not a regular file",
+        ),
+        (
+            command(&["simulate", "--config"], &fifo, true),
+            "not a regular file",
+        ),
+        (command(&tiers, &fifo, true), "not a regular file"),
+        (
+            command(&["simulate", "--config"], &spec, true),
+            "config.yaml: calibration: not a regular file",
+        ),
+    ];
+    for (mut c, want) in runs {
+        let what = format!("{c:?} on a FIFO");
+        let err = common::fails_within(&mut c, std::time::Duration::from_secs(20), &what);
+        assert!(err.contains(want), "{what}: {err}");
     }
 }
 

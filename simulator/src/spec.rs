@@ -45,21 +45,29 @@ pub const MAX_POLICIES: usize = 32;
 /// Largest spec or calibration file read, in bytes.
 pub const MAX_SPEC_BYTES: u64 = 1 << 20;
 
-/// Reads a UTF-8 text file of at most `max` bytes.
+/// Reads the UTF-8 text of the regular file `path` (a spec, tiers or calibration file), of at
+/// most `max` bytes, as `config check` reads a configuration: its kind is checked before it is
+/// opened, so a FIFO (whose opening waits for a writer: `simulate --config` hung on one,
+/// silently) or a device is refused at once, as is a directory, named as one.
 pub(crate) fn read_text(path: &Path, max: u64) -> Result<String, SimError> {
-    use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| SimError::io(path, e))?;
-    let mut text = String::new();
-    file.take(max + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| SimError::io(path, e))?;
-    if text.len() as u64 > max {
-        return Err(SimError::spec(
+    use switchyard_config::ReadError;
+    let refused = |why: String| {
+        SimError::io(
             path,
-            format!("file larger than {max} bytes"),
-        ));
-    }
-    Ok(text)
+            std::io::Error::new(std::io::ErrorKind::InvalidData, why),
+        )
+    };
+    let bytes = switchyard_config::read_bytes(path, max).map_err(|e| match e {
+        ReadError::Io(e) => SimError::io(path, e),
+        ReadError::Invalid(_) if path.is_dir() => refused("is a directory, not a file".into()),
+        ReadError::Invalid(why) => refused(why),
+    })?;
+    String::from_utf8(bytes).map_err(|e| {
+        refused(format!(
+            "not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ))
+    })
 }
 
 /// Largest host time per step accepted, in microseconds (10 s: far above any real step, and
@@ -804,6 +812,18 @@ impl SimulationSpec {
 
     /// Parses and validates YAML text; `path` is only used in messages.
     pub fn from_yaml_str(text: &str, path: &Path) -> Result<Self, SimError> {
+        // serde's answer, "1:1: missing field `policies`", reads as if the file had begun
+        // one and not finished it.
+        if text
+            .lines()
+            .all(|l| l.trim().is_empty() || l.trim_start().starts_with('#'))
+        {
+            return Err(SimError::spec(
+                path,
+                "empty: a simulation spec gives at least `policies` and `workload` (see \
+                 config/examples/sim-*.yaml)",
+            ));
+        }
         let mut spec: SimulationSpec = serde_yaml::from_str(text).map_err(|e| SimError::Spec {
             path: path.to_path_buf(),
             line: e.location().map(|l| l.line()),
@@ -1491,6 +1511,50 @@ workload:
         assert!(
             err.starts_with("sim.yaml:4: policies: policy `fcfs`"),
             "{err}"
+        );
+    }
+
+    /// A spec, tiers or calibration file is a regular file of UTF-8 text within its bound;
+    /// anything else is refused naming it, without waiting on it or reading past the bound.
+    #[test]
+    fn spec_files_are_regular_files_of_text_within_their_bound() {
+        let dir = crate::scratch::ScratchDir::new("spec-read");
+        let file = dir.join("s.yaml");
+        std::fs::write(&file, "seed: 1\n").unwrap();
+        assert_eq!(read_text(&file, 8).unwrap(), "seed: 1\n");
+        let refused = |path: &Path, max: u64| read_text(path, max).unwrap_err().to_string();
+        let f = file.display();
+        assert_eq!(
+            refused(&file, 7),
+            format!("{f}: too large: more than 7 bytes")
+        );
+        assert_eq!(
+            refused(&dir, 8),
+            format!("{}: is a directory, not a file", dir.display())
+        );
+        assert_eq!(
+            refused(Path::new("/dev/zero"), 8),
+            "/dev/zero: not a regular file"
+        );
+        std::fs::write(&file, b"seed: \xff\n").unwrap();
+        assert_eq!(
+            refused(&file, 8),
+            format!("{f}: not UTF-8 text (invalid byte at offset 6)")
+        );
+        for empty in ["", "\n  \n", "# policies: [{name: fcfs}]\n"] {
+            assert_eq!(
+                SimulationSpec::from_yaml_str(empty, Path::new("s.yaml"))
+                    .unwrap_err()
+                    .to_string(),
+                "s.yaml: empty: a simulation spec gives at least `policies` and `workload` \
+                 (see config/examples/sim-*.yaml)"
+            );
+        }
+        let missing = dir.join("missing.yaml");
+        assert!(
+            refused(&missing, 8).starts_with(&format!("{}: ", missing.display())),
+            "{}",
+            refused(&missing, 8)
         );
     }
 
