@@ -1322,15 +1322,27 @@ fn bench_serve_refuses_a_run_that_would_last_days_unless_allowed() {
     );
 }
 
-/// A `--result-file` that cannot be written (its directory missing, or a directory itself) is
-/// refused before anything is sent, as `calibrate --output` is, instead of failing to write
-/// it once the whole run is over.
+/// A `--result-file` that cannot be written (its directory missing or a file, or a directory
+/// itself) is refused before anything is sent, as `calibrate --output` is, instead of failing
+/// to write it once the whole run is over. A missing directory is said to be missing (it was
+/// "missing is not a directory").
 #[test]
 fn bench_serve_refuses_a_result_file_it_cannot_write_before_the_run() {
     let dir = temp_dir("result-file");
+    std::fs::write(dir.join("file"), "mine").unwrap();
     for (path, why) in [
-        (dir.join("missing/result.json"), "is not a directory"),
-        (dir.to_path_buf(), "it is a directory"),
+        (
+            dir.join("missing/result.json"),
+            format!(
+                "the directory {} does not exist",
+                dir.join("missing").display()
+            ),
+        ),
+        (
+            dir.join("file/result.json"),
+            format!("{} is not a directory", dir.join("file").display()),
+        ),
+        (dir.to_path_buf(), "it is a directory".to_string()),
     ] {
         let err = fails(
             switchyard()
@@ -1348,7 +1360,7 @@ fn bench_serve_refuses_a_result_file_it_cannot_write_before_the_run() {
         assert!(
             err.contains("--result-file")
                 && err.contains(&format!("cannot write {}", path.display()))
-                && err.contains(why)
+                && err.contains(&why)
                 && !err.contains("/v1/models"),
             "{err}"
         );
