@@ -710,6 +710,80 @@ fn bench_throughput_refuses_a_dataset_at_its_start_before_the_model_loads() {
     }
 }
 
+/// `--lora DIR` that is not an adapter directory is refused before the model loads (minutes
+/// for a large one), as `config check` refuses a `lora.adapters` entry: `generate`, `bench
+/// throughput` and `calibrate` loaded the model (and calibrate built the backend and timed
+/// the tokenizer) first.
+#[test]
+fn a_lora_flag_that_is_not_an_adapter_is_refused_before_the_model_loads() {
+    let dir = temp_dir("lora-flag");
+    let file = dir.join("adapter.safetensors");
+    std::fs::write(&file, "x").unwrap();
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let model = common::model_path();
+    let runs: [&[&str]; 3] = [
+        &[
+            "generate",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+            "--backend",
+            "cpu",
+        ],
+        &[
+            "bench",
+            "throughput",
+            "--num-prompts",
+            "1",
+            "--backend",
+            "cpu",
+        ],
+        &["calibrate", "--repeats", "1", "--output"],
+    ];
+    for args in runs {
+        for (lora, why) in [
+            (
+                dir.join("missing"),
+                format!(
+                    "--lora: cannot read `{}`: no such file",
+                    dir.join("missing").display()
+                ),
+            ),
+            (
+                file.clone(),
+                format!(
+                    "--lora: `{}` is not a directory (a PEFT adapter is one)",
+                    file.display()
+                ),
+            ),
+            (
+                empty.clone(),
+                format!(
+                    "--lora: `{}`: adapter_config.json: no such file",
+                    empty.display()
+                ),
+            ),
+        ] {
+            let mut c = switchyard();
+            c.args(args);
+            if args[0] == "calibrate" {
+                c.arg(dir.join("cal.yaml"));
+            } else {
+                c.arg("--model").arg(&model);
+            }
+            let err = fails(c.arg("--lora").arg(&lora));
+            assert!(
+                err.contains(&why) && !err.contains("loading model"),
+                "{} --lora {}: {err}",
+                args.join(" "),
+                lora.display()
+            );
+        }
+    }
+}
+
 /// A negative number given to a numeric flag of `generate` is that flag's value, refused as
 /// out of range and named: `--temperature -1` read as an unknown argument `-1` ("unexpected
 /// argument '-1' found"), which names neither the flag nor what is wrong with it.

@@ -346,6 +346,9 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     // Before the model loads: a dataset file that is not there or cannot be one is refused
     // at once.
     let dataset = read_dataset_file(&args)?;
+    if let Some(dir) = &args.lora {
+        super::config::lora_flag_present(dir)?;
+    }
     let dataset_text = || {
         dataset
             .as_ref()
