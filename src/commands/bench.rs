@@ -14,9 +14,7 @@ use switchyard_config::BackendKind;
 use switchyard_gpu::backend::SamplingParams;
 use switchyard_policies::{SamplingLimits, SchedulerConfig, Timestamp};
 
-use super::bench_serve::{
-    read_bounded, read_dataset, DatasetStart, MAX_DATASET_BYTES, MAX_REQUEST_TOKENS,
-};
+use super::bench_serve::{read_dataset, DatasetStart, MAX_DATASET_BYTES, MAX_REQUEST_TOKENS};
 use super::mooncake::{self, RowShape, TokenSpace, TraceReuse};
 use super::runtime;
 use crate::cli::{BenchCommand, BenchDataset, ThroughputArgs};
@@ -53,27 +51,21 @@ const SHAREGPT_COLUMNS: [&str; 2] = ["num_prefill_tokens", "num_decode_tokens"];
 /// header's columns, a mooncake trace that is not JSON Lines of objects), is refused at once,
 /// as `bench serve` refuses it, not after up to [`MAX_DATASET_BYTES`] of it.
 fn read_dataset_file(args: &ThroughputArgs) -> anyhow::Result<Option<(PathBuf, String)>> {
-    let path = match (args.dataset, dataset_file(args)) {
-        (BenchDataset::Random, _) => return Ok(None),
-        (BenchDataset::Prompts, None) => {
-            anyhow::bail!("--dataset prompts needs --dataset-path FILE")
-        }
-        (_, Some(path)) => path,
-        (_, None) => return Ok(None),
-    };
-    let text = match args.dataset {
+    // The formats `bench serve` takes too are checked at their start as it checks them.
+    let (max, start) = match args.dataset {
         BenchDataset::Random => return Ok(None),
-        BenchDataset::Sharegpt => read_dataset(
-            &path,
+        BenchDataset::Sharegpt => (
             MAX_DATASET_BYTES,
             Some(DatasetStart::Csv(&SHAREGPT_COLUMNS)),
         ),
-        BenchDataset::Mooncake => {
-            read_dataset(&path, MAX_DATASET_BYTES, Some(DatasetStart::JsonObjects))
-        }
-        BenchDataset::Prompts => read_bounded(&path, MAX_PROMPTS_FILE),
+        BenchDataset::Mooncake => (MAX_DATASET_BYTES, Some(DatasetStart::JsonObjects)),
+        BenchDataset::Prompts => (MAX_PROMPTS_FILE, None),
     };
-    let text = text.with_context(|| {
+    // Only the prompts dataset has no default file.
+    let Some(path) = dataset_file(args) else {
+        anyhow::bail!("--dataset prompts needs --dataset-path FILE");
+    };
+    let text = read_dataset(&path, max, start).with_context(|| {
         format!(
             "the dataset file {} (pass another with --dataset-path)",
             path.display()
@@ -81,6 +73,7 @@ fn read_dataset_file(args: &ThroughputArgs) -> anyhow::Result<Option<(PathBuf, S
     })?;
     Ok(Some((path, text)))
 }
+
 /// The first token id of the mooncake dataset's blocks and how many ids they are drawn from:
 /// `bench serve`'s defaults (--token-offset, --token-range), so both send the same prompts
 /// for a row and a seed; the range is narrowed to a smaller vocabulary.
