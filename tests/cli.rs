@@ -509,20 +509,65 @@ fn a_spec_and_a_server_configuration_given_to_the_wrong_command_say_which_they_a
 
 /// A configuration path that is a FIFO (which no one writes) is refused as not a regular file,
 /// at once: the read checks the kind before opening it, and the hint that follows a refusal
-/// (is it the other kind of file?) used to open it again and block forever.
+/// (is it the other kind of file?) used to open it again and block forever. So are a
+/// simulation spec, `simulate --tiers` and a spec's calibration file, whose opening waited
+/// for a writer without a word.
 #[test]
-fn config_check_and_serve_refuse_a_fifo_at_once() {
+fn config_check_serve_and_simulate_refuse_a_fifo_at_once() {
     let dir = temp_dir("fifo");
     let fifo = dir.join("config.yaml");
     let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
     assert!(made.success(), "mkfifo failed");
-    for args in [&["config", "check"][..], &["serve", "--config"][..]] {
-        let err = common::fails_within(
-            switchyard().args(args).arg(&fifo),
-            std::time::Duration::from_secs(20),
-            &format!("switchyard {} on a FIFO", args.join(" ")),
-        );
-        assert!(err.contains("not a regular file"), "{err}");
+    let trace =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples/sim-sample-trace.jsonl");
+    // A spec whose calibration file is the FIFO.
+    let spec = dir.join("spec.yaml");
+    std::fs::write(
+        &spec,
+        format!(
+            "calibration: config.yaml\npolicies: [{{name: fcfs}}]\n\
+             workload: {{trace: {}, format: jsonl}}\n",
+            trace.display()
+        ),
+    )
+    .unwrap();
+    let command = |args: &[&str], file: &std::path::Path, out: bool| {
+        let mut c = switchyard();
+        c.args(args).arg(file);
+        if out {
+            c.arg("--out").arg(dir.join("out"));
+        }
+        c
+    };
+    let tiers: Vec<String> = ["simulate", "--format", "jsonl", "--trace"]
+        .into_iter()
+        .map(String::from)
+        .chain([trace.display().to_string(), "--tiers".into()])
+        .collect();
+    let tiers: Vec<&str> = tiers.iter().map(String::as_str).collect();
+    let runs = [
+        (
+            command(&["config", "check"], &fifo, false),
+            "not a regular file",
+        ),
+        (
+            command(&["serve", "--config"], &fifo, false),
+            "not a regular file",
+        ),
+        (
+            command(&["simulate", "--config"], &fifo, true),
+            "not a regular file",
+        ),
+        (command(&tiers, &fifo, true), "not a regular file"),
+        (
+            command(&["simulate", "--config"], &spec, true),
+            "config.yaml: calibration: not a regular file",
+        ),
+    ];
+    for (mut c, want) in runs {
+        let what = format!("{c:?} on a FIFO");
+        let err = common::fails_within(&mut c, std::time::Duration::from_secs(20), &what);
+        assert!(err.contains(want), "{what}: {err}");
     }
 }
 
@@ -598,6 +643,144 @@ fn bench_throughput_names_a_missing_dataset_before_the_model_loads() {
                 && !err.contains("model.gguf"),
             "{dataset}: {err}"
         );
+    }
+}
+
+/// `bench throughput` refuses a dataset whose start cannot be one before the model loads, as
+/// `bench serve` does: `/dev/zero` was read to the 1 GiB bound after the model loaded and
+/// only then refused as too large, and a CSV without the header's columns was found once
+/// the weights were in memory.
+#[test]
+fn bench_throughput_refuses_a_dataset_at_its_start_before_the_model_loads() {
+    let dir = temp_dir("bench-dataset-start");
+    let headless = dir.join("headless.csv");
+    std::fs::write(&headless, "12,5\n30,7\n").unwrap();
+    let trace = dir.join("trace.csv");
+    std::fs::write(&trace, "[{\"input_length\": 8}]\n").unwrap();
+    let zero = std::path::Path::new("/dev/zero");
+    for (dataset, path, why) in [
+        (
+            "sharegpt",
+            zero,
+            "/dev/zero: not a CSV file: no line end in its first".to_string(),
+        ),
+        (
+            "mooncake",
+            zero,
+            "/dev/zero: not JSON Lines of objects (its first character is byte 0x00, not `{`)"
+                .to_string(),
+        ),
+        (
+            "sharegpt",
+            &headless,
+            format!(
+                "{}: the header has no column num_prefill_tokens",
+                headless.display()
+            ),
+        ),
+        (
+            "mooncake",
+            &trace,
+            format!(
+                "{}: not JSON Lines of objects (its first character is `[`, not `{{`)",
+                trace.display()
+            ),
+        ),
+    ] {
+        // A model path that is not a model: loading it would fail naming it.
+        let err = common::fails_within(
+            switchyard()
+                .args(["bench", "throughput", "--backend", "cpu"])
+                .args(["--dataset", dataset, "--num-prompts", "1"])
+                .args(["--model", "/nonexistent/model.gguf"])
+                .arg("--dataset-path")
+                .arg(path),
+            std::time::Duration::from_secs(20),
+            &format!("bench throughput --dataset {dataset} on {}", path.display()),
+        );
+        assert!(
+            err.contains(&format!(
+                "the dataset file {} (pass another with --dataset-path)",
+                path.display()
+            )) && err.contains(&why)
+                && !err.contains("model.gguf"),
+            "{dataset} {}: {err}",
+            path.display()
+        );
+    }
+}
+
+/// `--lora DIR` that is not an adapter directory is refused before the model loads (minutes
+/// for a large one), as `config check` refuses a `lora.adapters` entry: `generate`, `bench
+/// throughput` and `calibrate` loaded the model (and calibrate built the backend and timed
+/// the tokenizer) first.
+#[test]
+fn a_lora_flag_that_is_not_an_adapter_is_refused_before_the_model_loads() {
+    let dir = temp_dir("lora-flag");
+    let file = dir.join("adapter.safetensors");
+    std::fs::write(&file, "x").unwrap();
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let model = common::model_path();
+    let runs: [&[&str]; 3] = [
+        &[
+            "generate",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+            "--backend",
+            "cpu",
+        ],
+        &[
+            "bench",
+            "throughput",
+            "--num-prompts",
+            "1",
+            "--backend",
+            "cpu",
+        ],
+        &["calibrate", "--repeats", "1", "--output"],
+    ];
+    for args in runs {
+        for (lora, why) in [
+            (
+                dir.join("missing"),
+                format!(
+                    "--lora: cannot read `{}`: no such file",
+                    dir.join("missing").display()
+                ),
+            ),
+            (
+                file.clone(),
+                format!(
+                    "--lora: `{}` is not a directory (a PEFT adapter is one)",
+                    file.display()
+                ),
+            ),
+            (
+                empty.clone(),
+                format!(
+                    "--lora: `{}`: adapter_config.json: no such file",
+                    empty.display()
+                ),
+            ),
+        ] {
+            let mut c = switchyard();
+            c.args(args);
+            if args[0] == "calibrate" {
+                c.arg(dir.join("cal.yaml"));
+            } else {
+                c.arg("--model").arg(&model);
+            }
+            let err = fails(c.arg("--lora").arg(&lora));
+            assert!(
+                err.contains(&why) && !err.contains("loading model"),
+                "{} --lora {}: {err}",
+                args.join(" "),
+                lora.display()
+            );
+        }
     }
 }
 
@@ -782,6 +965,100 @@ fn bench_serve_refuses_an_empty_token_range() {
         err.contains("--token-range") && err.contains("0 is not in 1..="),
         "{err}"
     );
+}
+
+/// A misspelt policy name or parameter is given the name it most likely misspells, and in a
+/// spec file the line it is written on (a parameter's error named the file alone: the
+/// policies read their parameters past where the YAML parser locates errors).
+#[test]
+fn simulate_locates_a_misspelt_policy_or_parameter_and_suggests_the_name() {
+    let dir = temp_dir("simulate-policy-typo");
+    let trace =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/examples/sim-sample-trace.jsonl");
+    let spec = dir.join("spec.yaml");
+    let write = |policies: &str| {
+        let text = format!(
+            "seed: 1\nmodel: smollm2-135m\n{policies}workload:\n  trace: {}\n  format: jsonl\n",
+            trace.display()
+        );
+        std::fs::write(&spec, text).unwrap();
+    };
+    let simulate = || {
+        let mut c = switchyard();
+        c.args(["simulate", "--config"])
+            .arg(&spec)
+            .arg("--out")
+            .arg(dir.join("out"));
+        c
+    };
+    let s = spec.display();
+    for (policies, want) in [
+        (
+            "policies: [{name: fcfs}, {name: slo-aware, params: {step_overhed_ms: 5}}]\n".to_string(),
+            format!(
+                "{s}:3: policies: policy `slo-aware`: parameter `step_overhed_ms`: unknown \
+                 parameter (did you mean `step_overhead_ms`?)"
+            ),
+        ),
+        (
+            "policies:\n  - name: fcfs\n  - name: slo-aware\n    params:\n      step_overhed_ms: 5\n"
+                .to_string(),
+            format!("{s}:7: policies: policy `slo-aware`: parameter `step_overhed_ms`"),
+        ),
+        (
+            "policies:\n  - name: fcfs\n  - name: slo-awre\n".to_string(),
+            format!(
+                "{s}:5: policies: unknown scheduling policy `slo-awre` (did you mean \
+                 `slo-aware`?); known policies: fcfs"
+            ),
+        ),
+    ] {
+        write(&policies);
+        let err = fails(&mut simulate());
+        assert!(err.contains(&want), "{policies}: {err}");
+        assert!(!err.contains("requests, done in"), "ran first: {err}");
+    }
+    let err = fails(&mut simulate_sample("fcfs,slo-awre", &dir.join("out")));
+    assert!(
+        err.contains("unknown scheduling policy `slo-awre` (did you mean `slo-aware`?)"),
+        "{err}"
+    );
+    // Far from every known name: no guess.
+    let err = fails(&mut simulate_sample("fcfs,lottery", &dir.join("out")));
+    assert!(
+        err.contains("unknown scheduling policy `lottery`; known policies: fcfs"),
+        "{err}"
+    );
+    // The server's configuration names the same policies.
+    let config = dir.join("config.yaml");
+    std::fs::write(&config, "scheduler:\n  policy: { name: priorty }\n").unwrap();
+    let err = fails(switchyard().args(["config", "check"]).arg(&config));
+    assert!(
+        err.contains(&format!("{}:2", config.display()))
+            && err.contains("`priorty` (did you mean `priority`?)"),
+        "{err}"
+    );
+}
+
+/// An output that cannot be written is named as the user asked for it, under `--out`: the
+/// error named the temporary file it is written through (`summary.json.tmp`), which the user
+/// never asked for, as the file at fault.
+#[test]
+fn simulate_names_an_output_it_cannot_write_by_its_own_name() {
+    let dir = temp_dir("simulate-write-error");
+    let out = dir.join("out");
+    // A directory where the temporary file goes: not ours to remove, and not writable as a file.
+    std::fs::create_dir_all(out.join("summary.json.tmp")).unwrap();
+    let err = fails(&mut simulate_sample("fcfs", &out));
+    let summary = out.join("summary.json");
+    assert!(
+        err.contains(&format!(
+            "{}: writing its temporary file summary.json.tmp (renamed over it once whole): ",
+            summary.display()
+        )),
+        "{err}"
+    );
+    assert!(out.join("summary.json.tmp").is_dir() && !summary.exists());
 }
 
 /// `--policies` naming one policy twice says what to do instead (the command line has no
@@ -1119,15 +1396,27 @@ fn bench_serve_refuses_a_run_that_would_last_days_unless_allowed() {
     );
 }
 
-/// A `--result-file` that cannot be written (its directory missing, or a directory itself) is
-/// refused before anything is sent, as `calibrate --output` is, instead of failing to write
-/// it once the whole run is over.
+/// A `--result-file` that cannot be written (its directory missing or a file, or a directory
+/// itself) is refused before anything is sent, as `calibrate --output` is, instead of failing
+/// to write it once the whole run is over. A missing directory is said to be missing (it was
+/// "missing is not a directory").
 #[test]
 fn bench_serve_refuses_a_result_file_it_cannot_write_before_the_run() {
     let dir = temp_dir("result-file");
+    std::fs::write(dir.join("file"), "mine").unwrap();
     for (path, why) in [
-        (dir.join("missing/result.json"), "is not a directory"),
-        (dir.to_path_buf(), "it is a directory"),
+        (
+            dir.join("missing/result.json"),
+            format!(
+                "the directory {} does not exist",
+                dir.join("missing").display()
+            ),
+        ),
+        (
+            dir.join("file/result.json"),
+            format!("{} is not a directory", dir.join("file").display()),
+        ),
+        (dir.to_path_buf(), "it is a directory".to_string()),
     ] {
         let err = fails(
             switchyard()
@@ -1145,7 +1434,7 @@ fn bench_serve_refuses_a_result_file_it_cannot_write_before_the_run() {
         assert!(
             err.contains("--result-file")
                 && err.contains(&format!("cannot write {}", path.display()))
-                && err.contains(why)
+                && err.contains(&why)
                 && !err.contains("/v1/models"),
             "{err}"
         );

@@ -89,10 +89,13 @@ pub enum SchedulerError {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PolicyError {
     /// No policy is registered under this name.
-    #[error("unknown scheduling policy `{name}`; known policies: {known}")]
+    #[error("unknown scheduling policy `{name}`{did_you_mean}; known policies: {known}")]
     UnknownPolicy {
         /// The requested name.
         name: String,
+        /// ` (did you mean `x`?)` for the known name `x` that `name` most likely misspells,
+        /// else empty.
+        did_you_mean: String,
         /// Comma-separated list of registered names.
         known: String,
     },

@@ -31,8 +31,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use switchyard_policies::rate_limit::TenantBudget;
 use switchyard_policies::{
     DraftSource, PolicyRegistry, Request, RequestId, SamplingLimits, Scheduler, SchedulerConfig,
-    SeqEvent, SeqView, SloTargets, SpeculativeConfig, StepOutput, StepPlan, TierSpec, Timestamp,
-    TokenId,
+    SeqEvent, SeqView, SloTargets, SpeculativeConfig, StepOutput, StepPlan, Timestamp, TokenId,
 };
 
 /// Requests sampled (evenly over the trace) to estimate capacity.
@@ -347,19 +346,7 @@ impl Simulation {
             spec.scheduler.max_num_batched_tokens,
         )
         .map_err(|m| SimError::spec(cli, m))?;
-        let tiers = spec
-            .tiers
-            .iter()
-            .map(|(name, t)| TierSpec {
-                name: name.clone(),
-                ttft_ms: t.ttft_ms,
-                tpot_ms: t.tpot_ms,
-                weight: t.weight,
-                preemptible: t.preemptible,
-                max_queue_ms: t.max_queue_ms,
-                max_kv_fraction: t.max_kv_fraction,
-            })
-            .collect();
+        let tiers = crate::spec::tier_specs(&spec.tiers);
         let scheduler = SchedulerConfig {
             max_num_seqs: spec.scheduler.max_num_seqs,
             max_num_batched_tokens: spec.scheduler.max_num_batched_tokens,
@@ -2549,10 +2536,10 @@ policies: [{{name: fcfs}}]
             err.starts_with("t.yaml: smollm2-135m does not fit"),
             "{err}"
         );
-        let s = spec(
-            "policies: [{name: chunked-prefill, params: {bogus: 1}}]\n\
-             workload: {trace: t.csv, format: azure}\n",
-        );
+        // Parameters a program set after parsing (a file's are refused as it is parsed).
+        let mut s =
+            spec("policies: [{name: chunked-prefill}]\nworkload: {trace: t.csv, format: azure}\n");
+        s.policies[0].params = serde_yaml::from_str("{bogus: 1}").unwrap();
         let err = Simulation::new(&s).unwrap_err().to_string();
         assert!(err.starts_with("t.yaml: policies: "), "{err}");
         assert_eq!(err.matches("policy `chunked-prefill`").count(), 1, "{err}");

@@ -221,8 +221,30 @@ fn write_manifest(dir: &Path, files: &BTreeSet<String>) -> Result<(), SimError> 
     };
     let text = serde_json::to_string_pretty(&m)
         .map_err(|e| SimError::io(&path, std::io::Error::other(e)))?;
-    std::fs::write(&tmp, text + "\n").map_err(|e| SimError::io(&tmp, e))?;
+    std::fs::write(&tmp, text + "\n")
+        .map_err(|e| naming_output(SimError::io(&tmp, e), &tmp, &path))?;
     std::fs::rename(&tmp, &path).map_err(|e| SimError::io(&path, e))
+}
+
+/// `e`, an error of writing the temporary file `tmp` of the output `path`, as the user sees
+/// it: about `path`, the file they asked for, with `tmp` named as the detail it is. An error
+/// about another file is left as it is.
+fn naming_output(e: SimError, tmp: &Path, path: &Path) -> SimError {
+    let detail = format!(
+        "writing its temporary file {} (renamed over it once whole)",
+        tmp.file_name().unwrap_or(tmp.as_os_str()).to_string_lossy()
+    );
+    match e {
+        SimError::Io { path: p, error } if p == tmp => SimError::Io {
+            path: path.to_path_buf(),
+            error: std::io::Error::new(error.kind(), format!("{detail}: {error}")),
+        },
+        SimError::Plot { path: p, message } if p == tmp => SimError::Plot {
+            path: path.to_path_buf(),
+            message: format!("{detail}: {message}"),
+        },
+        other => other,
+    }
 }
 
 /// The name an output is written under before it is renamed over its own.
@@ -235,18 +257,18 @@ fn partial_name(name: &str) -> String {
 /// part way (Ctrl-C while writing tens of MiB of per-request JSONL) leaves each output either
 /// whole, this run's or the earlier one's, never cut short. A temporary file a stopped run
 /// leaves behind is removed by the next run's [`prepare`]; one whose `write` fails is removed
-/// at once.
+/// at once, and the error names `name` (the temporary file as a detail).
 pub fn write_replacing(
     dir: &Path,
     name: &str,
     write: impl FnOnce(&Path) -> Result<(), SimError>,
 ) -> Result<(), SimError> {
     let tmp = dir.join(partial_name(name));
+    let path = dir.join(name);
     if let Err(e) = write(&tmp) {
         let _ = std::fs::remove_file(&tmp);
-        return Err(e);
+        return Err(naming_output(e, &tmp, &path));
     }
-    let path = dir.join(name);
     std::fs::rename(&tmp, &path).map_err(|e| SimError::io(&path, e))
 }
 
@@ -329,6 +351,53 @@ mod tests {
             .to_string();
         assert!(err.contains("summary: not a directory"), "{err}");
         assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep");
+    }
+
+    /// An output that cannot be written is named as the user knows it, not by the temporary
+    /// name it is written under (which the message gives as a detail); an error about
+    /// another file is left as it was.
+    #[test]
+    fn a_failed_write_names_the_output_not_its_temporary_file() {
+        let d = dir("write-error");
+        // A directory in the temporary file's place: writing it fails.
+        std::fs::create_dir(d.join("summary.txt.tmp")).unwrap();
+        let err = write_replacing(&d, "summary.txt", |p| {
+            std::fs::write(p, "x").map_err(|e| SimError::io(p, e))
+        })
+        .unwrap_err()
+        .to_string();
+        let out = d.join("summary.txt").display().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "{out}: writing its temporary file summary.txt.tmp (renamed over it once \
+                 whole): "
+            )),
+            "{err}"
+        );
+        assert!(!d.join("summary.txt").exists());
+        let err = write_replacing(&d, "ttft_cdf.svg", |p| {
+            Err(SimError::Plot {
+                path: p.to_path_buf(),
+                message: "no room".into(),
+            })
+        })
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            err,
+            format!(
+                "{}: plot: writing its temporary file ttft_cdf.svg.tmp (renamed over it once \
+                 whole): no room",
+                d.join("ttft_cdf.svg").display()
+            )
+        );
+        let elsewhere = d.join("elsewhere");
+        let err = write_replacing(&d, "queue.svg", |_| {
+            Err(SimError::io(&elsewhere, std::io::Error::other("gone")))
+        })
+        .unwrap_err()
+        .to_string();
+        assert_eq!(err, format!("{}: gone", elsewhere.display()));
     }
 
     fn names(list: &[&str]) -> BTreeSet<String> {

@@ -45,21 +45,29 @@ pub const MAX_POLICIES: usize = 32;
 /// Largest spec or calibration file read, in bytes.
 pub const MAX_SPEC_BYTES: u64 = 1 << 20;
 
-/// Reads a UTF-8 text file of at most `max` bytes.
+/// Reads the UTF-8 text of the regular file `path` (a spec, tiers or calibration file), of at
+/// most `max` bytes, as `config check` reads a configuration: its kind is checked before it is
+/// opened, so a FIFO (whose opening waits for a writer: `simulate --config` hung on one,
+/// silently) or a device is refused at once, as is a directory, named as one.
 pub(crate) fn read_text(path: &Path, max: u64) -> Result<String, SimError> {
-    use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| SimError::io(path, e))?;
-    let mut text = String::new();
-    file.take(max + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| SimError::io(path, e))?;
-    if text.len() as u64 > max {
-        return Err(SimError::spec(
+    use switchyard_config::ReadError;
+    let refused = |why: String| {
+        SimError::io(
             path,
-            format!("file larger than {max} bytes"),
-        ));
-    }
-    Ok(text)
+            std::io::Error::new(std::io::ErrorKind::InvalidData, why),
+        )
+    };
+    let bytes = switchyard_config::read_bytes(path, max).map_err(|e| match e {
+        ReadError::Io(e) => SimError::io(path, e),
+        ReadError::Invalid(_) if path.is_dir() => refused("is a directory, not a file".into()),
+        ReadError::Invalid(why) => refused(why),
+    })?;
+    String::from_utf8(bytes).map_err(|e| {
+        refused(format!(
+            "not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ))
+    })
 }
 
 /// Largest host time per step accepted, in microseconds (10 s: far above any real step, and
@@ -804,6 +812,18 @@ impl SimulationSpec {
 
     /// Parses and validates YAML text; `path` is only used in messages.
     pub fn from_yaml_str(text: &str, path: &Path) -> Result<Self, SimError> {
+        // serde's answer, "1:1: missing field `policies`", reads as if the file had begun
+        // one and not finished it.
+        if text
+            .lines()
+            .all(|l| l.trim().is_empty() || l.trim_start().starts_with('#'))
+        {
+            return Err(SimError::spec(
+                path,
+                "empty: a simulation spec gives at least `policies` and `workload` (see \
+                 config/examples/sim-*.yaml)",
+            ));
+        }
         let mut spec: SimulationSpec = serde_yaml::from_str(text).map_err(|e| SimError::Spec {
             path: path.to_path_buf(),
             line: e.location().map(|l| l.line()),
@@ -811,8 +831,30 @@ impl SimulationSpec {
             message: e.to_string(),
         })?;
         spec.validate().map_err(|m| SimError::spec(path, m))?;
+        spec.check_policies(text, path)?;
         spec.source = path.to_path_buf();
         Ok(spec)
+    }
+
+    /// Builds each policy from the spec's own parameters, as the registry that runs it does,
+    /// so that an unknown name or a misspelt or out-of-range parameter is refused with the
+    /// line of `text` it is written on (serde's location ends at `params`, which the policies
+    /// read themselves). The simulation builds them again, a calibration's figures filled in
+    /// ([`crate::slo_params`]): those are kept within the policy's bounds.
+    fn check_policies(&self, text: &str, path: &Path) -> Result<(), SimError> {
+        let registry = switchyard_policies::PolicyRegistry::with_builtins();
+        let tiers = tier_specs(&self.tiers);
+        for (i, p) in self.policies.iter().enumerate() {
+            if let Err(e) = registry.create(&p.name, &p.params, &tiers) {
+                return Err(SimError::Spec {
+                    path: path.to_path_buf(),
+                    line: policy_error_line(text, i, &e),
+                    column: None,
+                    message: format!("policies: {e}"),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The file errors name: the spec file, "<cli>" for flags, "<spec>" for a spec built in
@@ -1193,6 +1235,55 @@ fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
     Ok(())
 }
 
+/// The tiers as the policies take them.
+pub(crate) fn tier_specs(tiers: &BTreeMap<String, TierConf>) -> Vec<switchyard_policies::TierSpec> {
+    tiers
+        .iter()
+        .map(|(name, t)| switchyard_policies::TierSpec {
+            name: name.clone(),
+            ttft_ms: t.ttft_ms,
+            tpot_ms: t.tpot_ms,
+            weight: t.weight,
+            preemptible: t.preemptible,
+            max_queue_ms: t.max_queue_ms,
+            max_kv_fraction: t.max_kv_fraction,
+        })
+        .collect()
+}
+
+/// The line of `text` where the error `e` of the spec's `index`-th policy is written: the
+/// parameter it names, else the policy's `params`, its `name` for an unknown policy, else the
+/// entry or the `policies` key (`None` where the YAML's layout hides it, e.g. a flow list
+/// over several lines).
+fn policy_error_line(
+    text: &str,
+    index: usize,
+    e: &switchyard_policies::PolicyError,
+) -> Option<usize> {
+    use switchyard_policies::PolicyError;
+    let entry = format!("policies[{index}]");
+    let field = match e {
+        PolicyError::UnknownPolicy { .. } => Some(format!("{entry}.name")),
+        PolicyError::InvalidParam { field, .. } if field == "params" => None,
+        PolicyError::InvalidParam { field, .. }
+            if !field.is_empty()
+                && field
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') =>
+        {
+            Some(format!("{entry}.params.{field}"))
+        }
+        _ => None,
+    };
+    let params = format!("{entry}.params");
+    let line = field
+        .iter()
+        .map(String::as_str)
+        .chain([params.as_str(), entry.as_str(), "policies"])
+        .find_map(|f| switchyard_config::locate(text, f));
+    line
+}
+
 /// Whether `l` is a valid policy label (it names the policy's per-request file).
 pub(crate) fn valid_label(l: &str) -> bool {
     !l.is_empty()
@@ -1346,7 +1437,7 @@ mod tests {
     const GOOD: &str = "
 seed: 3
 model: smollm2-135m
-policies: [{name: fcfs}, {name: fcfs, label: fcfs-2, params: {x: 1}}]
+policies: [{name: fcfs}, {name: fcfs, label: fcfs-2, params: {}}]
 tiers:
   premium: {ttft_ms: 200, tpot_ms: 40, weight: 4}
   batch: {preemptible: true, priority: 2}
@@ -1372,6 +1463,99 @@ workload:
         assert_eq!(s.policies[1].label(), "fcfs-2");
         assert_eq!(s.tiers["batch"].weight, 1.0);
         assert_eq!(s.workload.mix.tier_mix().entries[0].0, "batch");
+    }
+
+    /// A policy's parameters are read by the policy, past where serde locates errors: an
+    /// unknown policy, a misspelt or out-of-range parameter is named with the line it is
+    /// written on, in each layout a spec writes its policies in.
+    #[test]
+    fn policy_errors_name_the_line_they_are_written_on() {
+        let with = |policies: &str| {
+            let text = GOOD.replace(
+                "policies: [{name: fcfs}, {name: fcfs, label: fcfs-2, params: {}}]\n",
+                policies,
+            );
+            assert_ne!(text, GOOD);
+            parse(&text).unwrap_err().to_string()
+        };
+        let cases = [
+            (
+                "policies: [{name: fcfs}, {name: slo-aware, params: {step_overhed_ms: 5}}]\n",
+                "sim.yaml:4: policies: policy `slo-aware`: parameter `step_overhed_ms`: \
+                 unknown parameter",
+            ),
+            (
+                "policies:\n  - name: fcfs\n  - name: slo-aware\n    params:\n      \
+                 pace_fraction: 0.5\n      step_overhed_ms: 5\n",
+                "sim.yaml:9: policies: policy `slo-aware`: parameter `step_overhed_ms`",
+            ),
+            (
+                "policies:\n  - name: fcfs\n  - name: slo-aware\n    params: {step_overhead_ms: -1}\n",
+                "sim.yaml:7: policies: policy `slo-aware`: parameter `step_overhead_ms`: must be in",
+            ),
+            (
+                "policies:\n  - name: fcfs\n  - {name: slo-awre}\n",
+                "sim.yaml:6: policies: unknown scheduling policy `slo-awre`",
+            ),
+            (
+                "policies:\n  - name: fcfs\n  - name: priority\n    params: [1]\n",
+                "sim.yaml:7: policies: policy `priority`: parameter `params`: expected a mapping",
+            ),
+        ];
+        for (policies, want) in cases {
+            let err = with(policies);
+            assert!(err.starts_with(want), "{policies}: {err}");
+        }
+        // A flow list over several lines hides the entry: the line of `policies` is named.
+        let err = with("policies: [\n  {name: fcfs, params: {x: 1}}]\n");
+        assert!(
+            err.starts_with("sim.yaml:4: policies: policy `fcfs`"),
+            "{err}"
+        );
+    }
+
+    /// A spec, tiers or calibration file is a regular file of UTF-8 text within its bound;
+    /// anything else is refused naming it, without waiting on it or reading past the bound.
+    #[test]
+    fn spec_files_are_regular_files_of_text_within_their_bound() {
+        let dir = crate::scratch::ScratchDir::new("spec-read");
+        let file = dir.join("s.yaml");
+        std::fs::write(&file, "seed: 1\n").unwrap();
+        assert_eq!(read_text(&file, 8).unwrap(), "seed: 1\n");
+        let refused = |path: &Path, max: u64| read_text(path, max).unwrap_err().to_string();
+        let f = file.display();
+        assert_eq!(
+            refused(&file, 7),
+            format!("{f}: too large: more than 7 bytes")
+        );
+        assert_eq!(
+            refused(&dir, 8),
+            format!("{}: is a directory, not a file", dir.display())
+        );
+        assert_eq!(
+            refused(Path::new("/dev/zero"), 8),
+            "/dev/zero: not a regular file"
+        );
+        std::fs::write(&file, b"seed: \xff\n").unwrap();
+        assert_eq!(
+            refused(&file, 8),
+            format!("{f}: not UTF-8 text (invalid byte at offset 6)")
+        );
+        for empty in ["", "\n  \n", "# policies: [{name: fcfs}]\n"] {
+            assert_eq!(
+                SimulationSpec::from_yaml_str(empty, Path::new("s.yaml"))
+                    .unwrap_err()
+                    .to_string(),
+                "s.yaml: empty: a simulation spec gives at least `policies` and `workload` \
+                 (see config/examples/sim-*.yaml)"
+            );
+        }
+        let missing = dir.join("missing.yaml");
+        assert!(
+            refused(&missing, 8).starts_with(&format!("{}: ", missing.display())),
+            "{}",
+            refused(&missing, 8)
+        );
     }
 
     #[test]

@@ -158,14 +158,15 @@ fn malformed_spec_and_trace_are_reported_with_locations() {
         "policies: [{name: lifo}]\nworkload: {trace: bad.jsonl, format: jsonl}\n",
     )
     .unwrap();
-    std::fs::write(
-        &trace,
-        "{\"arrival_s\": 0, \"prompt_len\": 4, \"output_len\": 1}\n",
-    )
-    .unwrap();
-    let spec = SimulationSpec::from_yaml_file(&spec_path).unwrap();
-    let err = run(&spec, &dir.join("out"), false).unwrap_err().to_string();
-    assert!(err.contains("lifo") && err.contains("fair-share"), "{err}");
+    // Refused as the spec is read, at the line that names it.
+    let err = SimulationSpec::from_yaml_file(&spec_path)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("spec.yaml:1: policies: unknown scheduling policy `lifo`")
+            && err.contains("fair-share"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! `switchyard bench throughput`: offline throughput through the scheduling core and a backend,
 //! printing the fields `vllm bench throughput` prints.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,7 +14,7 @@ use switchyard_config::BackendKind;
 use switchyard_gpu::backend::SamplingParams;
 use switchyard_policies::{SamplingLimits, SchedulerConfig, Timestamp};
 
-use super::bench_serve::{read_bounded, MAX_DATASET_BYTES, MAX_REQUEST_TOKENS};
+use super::bench_serve::{read_dataset, DatasetStart, MAX_DATASET_BYTES, MAX_REQUEST_TOKENS};
 use super::mooncake::{self, RowShape, TokenSpace, TraceReuse};
 use super::runtime;
 use crate::cli::{BenchCommand, BenchDataset, ThroughputArgs};
@@ -41,6 +41,39 @@ fn dataset_file(args: &ThroughputArgs) -> Option<std::path::PathBuf> {
         .clone()
         .or_else(|| default.map(Into::into))
 }
+
+/// The columns `bench throughput` (and `bench serve`) read of a ShareGPT lengths CSV.
+const SHAREGPT_COLUMNS: [&str; 2] = ["num_prefill_tokens", "num_decode_tokens"];
+
+/// The dataset file ([`dataset_file`]) and its text, read before the model loads (minutes
+/// for a large one), opened once (a FIFO's writer writes it once), to its bound: a file that
+/// is not there, or whose start cannot be the dataset (`/dev/zero`, a CSV without the
+/// header's columns, a mooncake trace that is not JSON Lines of objects), is refused at once,
+/// as `bench serve` refuses it, not after up to [`MAX_DATASET_BYTES`] of it.
+fn read_dataset_file(args: &ThroughputArgs) -> anyhow::Result<Option<(PathBuf, String)>> {
+    // The formats `bench serve` takes too are checked at their start as it checks them.
+    let (max, start) = match args.dataset {
+        BenchDataset::Random => return Ok(None),
+        BenchDataset::Sharegpt => (
+            MAX_DATASET_BYTES,
+            Some(DatasetStart::Csv(&SHAREGPT_COLUMNS)),
+        ),
+        BenchDataset::Mooncake => (MAX_DATASET_BYTES, Some(DatasetStart::JsonObjects)),
+        BenchDataset::Prompts => (MAX_PROMPTS_FILE, None),
+    };
+    // Only the prompts dataset has no default file.
+    let Some(path) = dataset_file(args) else {
+        anyhow::bail!("--dataset prompts needs --dataset-path FILE");
+    };
+    let text = read_dataset(&path, max, start).with_context(|| {
+        format!(
+            "the dataset file {} (pass another with --dataset-path)",
+            path.display()
+        )
+    })?;
+    Ok(Some((path, text)))
+}
+
 /// The first token id of the mooncake dataset's blocks and how many ids they are drawn from:
 /// `bench serve`'s defaults (--token-offset, --token-range), so both send the same prompts
 /// for a row and a seed; the range is narrowed to a smaller vocabulary.
@@ -70,19 +103,17 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
 /// Most bytes of a prompts file.
 const MAX_PROMPTS_FILE: u64 = 64 << 20;
 
-/// Reads a JSONL file of `{"prompt": "..."}` lines and tokenizes each prompt as one user
-/// message through the model's chat template (plain text when it has none).
+/// Tokenizes the JSONL text of `{"prompt": "..."}` lines of the file `path`, each prompt as
+/// one user message through the model's chat template (plain text when it has none).
 fn prompt_dataset(
     path: &Path,
+    text: &str,
     model: &switchyard_gpu::model::LoadedModel,
 ) -> anyhow::Result<Vec<Vec<u32>>> {
     #[derive(serde::Deserialize)]
     struct Line {
         prompt: String,
     }
-    // Read to the bound, not to the end: a size checked first says nothing of a pipe, a
-    // device (`/dev/zero` never ends) or a file that grows meanwhile.
-    let text = read_bounded(path, MAX_PROMPTS_FILE)?;
     let mut out = Vec::new();
     for (n, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -111,11 +142,14 @@ fn prompt_dataset(
     Ok(out)
 }
 
-/// Reads (prompt, output) lengths from a ShareGPT lengths CSV.
-fn sharegpt_lengths(path: &Path, max_model_len: usize) -> anyhow::Result<Vec<(usize, usize)>> {
-    let text = super::bench_serve::read_bounded(path, super::bench_serve::MAX_DATASET_BYTES)?;
-    let names = ["num_prefill_tokens", "num_decode_tokens"];
-    let (text, columns) = super::bench_serve::csv_columns(path, &text, &names)?;
+/// The (prompt, output) lengths of the ShareGPT lengths CSV `text` of the file `path`.
+fn sharegpt_lengths(
+    path: &Path,
+    text: &str,
+    max_model_len: usize,
+) -> anyhow::Result<Vec<(usize, usize)>> {
+    let names = SHAREGPT_COLUMNS;
+    let (text, columns) = super::bench_serve::csv_columns(path, text, &names)?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate().skip(1) {
         let fields: Vec<&str> = line.split(',').collect();
@@ -225,17 +259,15 @@ fn validate(args: &ThroughputArgs) -> anyhow::Result<usize> {
 /// random tokens).
 type MooncakeRun = ((usize, usize), Option<Arc<[u64]>>);
 
-/// The mooncake dataset's rows as (input, output) lengths and each row's hash ids, read from
-/// --dataset-path (default [`MOONCAKE_DEFAULT_PATH`]) as `bench serve` reads them. Each
-/// prompt and its output must fit the model's context `max_model_len`.
-fn mooncake_rows(args: &ThroughputArgs, max_model_len: usize) -> anyhow::Result<Vec<MooncakeRun>> {
-    let path = dataset_file(args).unwrap_or_else(|| MOONCAKE_DEFAULT_PATH.into());
-    let text = read_bounded(&path, MAX_DATASET_BYTES).with_context(|| {
-        format!(
-            "the mooncake dataset {} (pass another with --dataset-path)",
-            path.display()
-        )
-    })?;
+/// The mooncake dataset's rows as (input, output) lengths and each row's hash ids, of the
+/// text of `path` (--dataset-path, default [`MOONCAKE_DEFAULT_PATH`]) as `bench serve` reads
+/// them. Each prompt and its output must fit the model's context `max_model_len`.
+fn mooncake_rows(
+    args: &ThroughputArgs,
+    path: &Path,
+    text: &str,
+    max_model_len: usize,
+) -> anyhow::Result<Vec<MooncakeRun>> {
     let shape = RowShape {
         block_tokens: args.mooncake.block_tokens(),
         max_input: args.max_input_len(),
@@ -243,13 +275,7 @@ fn mooncake_rows(args: &ThroughputArgs, max_model_len: usize) -> anyhow::Result<
         max_row_tokens: MAX_REQUEST_TOKENS,
         max_total_ids: mooncake::MAX_TOTAL_HASH_IDS,
     };
-    let rows = mooncake::read_rows(
-        &path,
-        &text,
-        shape,
-        args.mooncake.skip_rows,
-        args.num_prompts,
-    )?;
+    let rows = mooncake::read_rows(path, text, shape, args.mooncake.skip_rows, args.num_prompts)?;
     let mut out = Vec::with_capacity(rows.len());
     for (i, r) in rows.into_iter().enumerate() {
         // Both are at most 2^20, so the sum cannot overflow.
@@ -310,16 +336,18 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             switchyard_gpu::backend::MAX_LOGIT_ROWS
         );
     }
-    // A dataset file that is not there is named before the model loads (minutes for a large
-    // one); only looked at (a FIFO opened and closed unread would end its writer).
-    if let Some(file) = dataset_file(&args) {
-        std::fs::metadata(&file).with_context(|| {
-            format!(
-                "the dataset file {} (pass another with --dataset-path)",
-                file.display()
-            )
-        })?;
+    // Before the model loads: a dataset file that is not there or cannot be one is refused
+    // at once.
+    let dataset = read_dataset_file(&args)?;
+    if let Some(dir) = &args.lora {
+        super::config::lora_flag_present(dir)?;
     }
+    let dataset_text = || {
+        dataset
+            .as_ref()
+            .map(|(path, text)| (path.as_path(), text.as_str()))
+            .context("no dataset file read")
+    };
     // Real weights from a file, or random weights of a named architecture.
     let loaded = match &args.dummy {
         Some(_) => None,
@@ -376,8 +404,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
             vec![(args.input_len, args.output_len); n]
         }
         BenchDataset::Sharegpt => {
-            let file = dataset_file(&args).unwrap_or_else(|| SHAREGPT_DEFAULT_PATH.into());
-            let all = sharegpt_lengths(&file, max_model_len).with_context(|| {
+            let (file, text) = dataset_text()?;
+            let all = sharegpt_lengths(file, text, max_model_len).with_context(|| {
                 format!(
                     "the sharegpt dataset {} (pass another with --dataset-path)",
                     file.display()
@@ -388,7 +416,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                 .collect()
         }
         BenchDataset::Prompts => {
-            let Some(file) = &args.dataset_path else {
+            let Some((file, text)) = dataset.as_ref() else {
                 anyhow::bail!("--dataset prompts needs --dataset-path FILE");
             };
             let Some(m) = &loaded else {
@@ -397,7 +425,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                      embedded default), not --dummy"
                 );
             };
-            let all = prompt_dataset(file, m)?;
+            let all = prompt_dataset(file, text, m)?;
             anyhow::ensure!(!all.is_empty(), "{} holds no prompts", file.display());
             let n = args.decode_batch.unwrap_or(args.num_prompts);
             let out = args.output_len.max(1);
@@ -418,7 +446,8 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
                 args.decode_batch.is_none(),
                 "--decode-batch runs prompts of one length: use the random or prompts dataset"
             );
-            let rows = mooncake_rows(&args, max_model_len)?;
+            let (file, text) = dataset_text()?;
+            let rows = mooncake_rows(&args, file, text, max_model_len)?;
             blocks = rows.iter().map(|(_, ids)| ids.clone()).collect();
             rows.into_iter().map(|(lengths, _)| lengths).collect()
         }
@@ -780,16 +809,10 @@ mod tests {
     /// ShareGPT lengths are read by column name, as `bench serve` and the simulator read them.
     #[test]
     fn sharegpt_columns_are_read_by_name() {
-        let dir = crate::scratch::ScratchDir::new("bench-sharegpt");
-        let path = dir.join("d.csv");
-        std::fs::write(
-            &path,
-            "\u{feff}num_decode_tokens,pd_ratio,num_prefill_tokens\n5,0.1,50\n",
-        )
-        .unwrap();
-        assert_eq!(sharegpt_lengths(&path, 1000).unwrap(), vec![(50, 5)]);
-        std::fs::write(&path, "a,b\n1,2\n").unwrap();
-        let e = sharegpt_lengths(&path, 1000).unwrap_err();
+        let path = Path::new("d.csv");
+        let text = "\u{feff}num_decode_tokens,pd_ratio,num_prefill_tokens\n5,0.1,50\n";
+        assert_eq!(sharegpt_lengths(path, text, 1000).unwrap(), vec![(50, 5)]);
+        let e = sharegpt_lengths(path, "a,b\n1,2\n", 1000).unwrap_err();
         assert!(
             format!("{e:#}").contains("no column num_prefill_tokens"),
             "{e:#}"
@@ -950,11 +973,14 @@ mod tests {
         let mut args = throughput_args("--dataset mooncake");
         args.dataset_path = None;
         let cwd_has_it = Path::new(MOONCAKE_DEFAULT_PATH).exists();
-        match mooncake_rows(&args, 1 << 20) {
-            Ok(rows) => {
+        match read_dataset_file(&args) {
+            Ok(Some((path, text))) => {
                 assert!(cwd_has_it);
+                assert_eq!(path, Path::new(MOONCAKE_DEFAULT_PATH));
+                let rows = mooncake_rows(&args, &path, &text, 1 << 20).unwrap();
                 assert_eq!(rows.len(), 32, "--num-prompts' default rows");
             }
+            Ok(None) => panic!("the mooncake dataset has a default file"),
             Err(e) => {
                 assert!(!cwd_has_it);
                 let e = format!("{e:#}");
@@ -964,6 +990,49 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The dataset file is read (and its start checked) before the model loads: none for
+    /// random prompts, and `--dataset prompts` without a file is refused then too.
+    #[test]
+    fn the_dataset_file_is_read_and_checked_before_the_model_loads() {
+        let random = throughput_args("--dataset random");
+        assert!(read_dataset_file(&random).unwrap().is_none());
+        let mut prompts = throughput_args("--dataset prompts");
+        prompts.dataset_path = None;
+        let e = format!("{:#}", read_dataset_file(&prompts).unwrap_err());
+        assert_eq!(e, "--dataset prompts needs --dataset-path FILE");
+        let dir = crate::scratch::ScratchDir::new("bench-dataset-start");
+        let mut sharegpt = throughput_args("--dataset sharegpt");
+        let path = dir.join("d.csv");
+        sharegpt.dataset_path = Some(path.clone());
+        std::fs::write(&path, "num_prefill_tokens,num_decode_tokens\n12,5\n").unwrap();
+        let (read, text) = read_dataset_file(&sharegpt).unwrap().unwrap();
+        assert_eq!(
+            (read.as_path(), text.as_str()),
+            (
+                path.as_path(),
+                "num_prefill_tokens,num_decode_tokens\n12,5\n"
+            )
+        );
+        // JSON where a CSV is due: refused at its header, naming the file and the flag.
+        std::fs::write(&path, "{\"input_length\": 8}\n").unwrap();
+        let e = format!("{:#}", read_dataset_file(&sharegpt).unwrap_err());
+        assert!(
+            e.starts_with(&format!(
+                "the dataset file {} (pass another with --dataset-path): ",
+                path.display()
+            )) && e.contains("the header has no column num_prefill_tokens"),
+            "{e}"
+        );
+        let mut mooncake = throughput_args("--dataset mooncake");
+        mooncake.dataset_path = Some(path.clone());
+        std::fs::write(&path, "num_prefill_tokens,num_decode_tokens\n12,5\n").unwrap();
+        let e = format!("{:#}", read_dataset_file(&mooncake).unwrap_err());
+        assert!(
+            e.contains("not JSON Lines of objects (its first character is `n`"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -661,6 +661,9 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
         "--repeats must be 1..={MAX_REPEATS}"
     );
     let config = super::config::load_or_defaults(args.config.as_deref(), &args.overrides)?;
+    if let Some(dir) = &args.lora {
+        super::config::lora_flag_present(dir)?;
+    }
     let loaded = match &args.dummy {
         Some(_) => None,
         None => Some(runtime::load(&runtime::config_model_path(&config)?)?),

@@ -334,6 +334,17 @@ fn adapter_files_present(path: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// `--lora DIR` (`generate`, `bench throughput`, `calibrate`) checked before the model loads
+/// (minutes for a large one) as `config check` checks a `lora.adapters` entry, nothing
+/// opened: a directory holding the PEFT files. A path that is not UTF-8 is left to the
+/// loader, which names it.
+pub fn lora_flag_present(dir: &std::path::Path) -> anyhow::Result<()> {
+    match dir.to_str() {
+        Some(d) => adapter_files_present(d).map_err(|why| anyhow::anyhow!("--lora: {why}")),
+        None => Ok(()),
+    }
+}
+
 /// An I/O error's reason as a message part: lower case, without the OS error number.
 fn io_reason(e: &std::io::Error) -> String {
     let reason = e.to_string();

@@ -34,6 +34,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     // Before the model loads (minutes for a large one): a misspelt backend is refused at once.
     let backend_kind = runtime::parse_backend(&args.backend)?;
     let structured = structured_spec(&args)?;
+    if let Some(dir) = &args.lora {
+        super::config::lora_flag_present(dir)?;
+    }
     let path = runtime::resolve_model_path(args.model.as_deref())?;
     let model = runtime::load(&path)?;
     let tokenizer = model.tokenizer.clone();

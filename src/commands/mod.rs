@@ -38,12 +38,21 @@ pub fn writable(path: &std::path::Path) -> anyhow::Result<()> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),
     };
-    anyhow::ensure!(
-        dir.is_dir(),
-        "cannot write {}: {} is not a directory",
-        path.display(),
-        dir.display()
-    );
+    // A directory that is not there is said to be missing, not "not a directory".
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => anyhow::bail!(
+            "cannot write {}: {} is not a directory",
+            path.display(),
+            dir.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => anyhow::bail!(
+            "cannot write {}: the directory {} does not exist",
+            path.display(),
+            dir.display()
+        ),
+        Err(e) => anyhow::bail!("cannot write {}: {}: {e}", path.display(), dir.display()),
+    }
     anyhow::ensure!(
         !path.is_dir(),
         "cannot write {}: it is a directory",

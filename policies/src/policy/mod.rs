@@ -20,6 +20,7 @@ mod chunked_prefill;
 mod fair_share;
 mod fcfs;
 mod mlfq;
+mod nearest;
 mod params;
 mod prefix_aware;
 mod priority;
@@ -209,6 +210,7 @@ impl PolicyRegistry {
             Some((_, factory)) => factory(params, tiers),
             None => Err(PolicyError::UnknownPolicy {
                 name: name.to_string(),
+                did_you_mean: nearest::did_you_mean(name, &self.names()),
                 known: self.names().join(", "),
             }),
         }
@@ -291,6 +293,18 @@ mod tests {
         assert!(
             msg.contains("lifo") && msg.contains("fcfs") && msg.contains("fair-share"),
             "{msg}"
+        );
+        assert!(!msg.contains("did you mean"), "{msg}");
+        // A near miss is given the name it most likely misspells.
+        let msg = r
+            .create("slo-awre", &serde_yaml::Value::Null, &[])
+            .err()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            msg,
+            "unknown scheduling policy `slo-awre` (did you mean `slo-aware`?); known policies: \
+             fcfs, priority, slo-aware, chunked-prefill, fair-share, prefix-aware, mlfq"
         );
     }
 

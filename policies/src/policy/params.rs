@@ -74,7 +74,11 @@ impl<'v> Params<'v> {
                     let reason = if known.is_empty() {
                         format!("unknown parameter: `{policy}` takes no parameters")
                     } else {
-                        format!("unknown parameter; known: {}", known.join(", "))
+                        format!(
+                            "unknown parameter{}; known: {}",
+                            super::nearest::did_you_mean(name, known),
+                            known.join(", ")
+                        )
                     };
                     return Err(PolicyError::InvalidParam {
                         policy,
@@ -267,6 +271,18 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("`budget`") && e.contains("token_budget"), "{e}");
+        assert!(!e.contains("did you mean"), "{e}");
+        // A near miss is given the parameter it most likely misspells.
+        let v = yaml("{step_overhed_ms: 5}");
+        let e = Params::new("x", &v, &["step_overhead_ms", "prefill_us_per_token"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            e,
+            "policy `x`: parameter `step_overhed_ms`: unknown parameter (did you mean \
+             `step_overhead_ms`?); known: step_overhead_ms, prefill_us_per_token"
+        );
     }
 
     #[test]

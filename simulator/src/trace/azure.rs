@@ -87,9 +87,10 @@ pub fn load_azure(
 fn header_indices(fields: &[&str], path: &Path, line: usize) -> Result<[usize; 3], SimError> {
     let mut idx = [0usize; 3];
     for (slot, name) in idx.iter_mut().zip(COLUMNS) {
-        *slot = fields.iter().position(|f| *f == name).ok_or_else(|| {
-            SimError::trace(path, line, name, format!("header lacks column `{name}`"))
-        })?;
+        *slot = fields
+            .iter()
+            .position(|f| *f == name)
+            .ok_or_else(|| super::missing_column(path, line, fields, name, "azure"))?;
     }
     Ok(idx)
 }
@@ -213,6 +214,22 @@ mod tests {
         let rs = load(text, &LoadOptions::default()).unwrap();
         let times: Vec<f64> = rs.iter().map(|r| r.arrival_s).collect();
         assert_eq!(times, vec![0.0, 1.5]);
+    }
+
+    /// A JSON Lines trace given as `--format azure` asks whether the format is right.
+    #[test]
+    fn a_json_lines_file_is_told_to_check_the_format() {
+        let e = load(
+            "{\"arrival_s\": 0, \"prompt_len\": 4, \"output_len\": 1}\n",
+            &LoadOptions::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("azure.csv:1: field `TIMESTAMP`: header lacks column `TIMESTAMP` (the line is a JSON object")
+                && e.contains("is --format right for this file?"),
+            "{e}"
+        );
     }
 
     #[test]

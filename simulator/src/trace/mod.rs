@@ -328,6 +328,35 @@ pub fn load_trace(
     }
 }
 
+/// The error for a CSV trace's header `fields` (of line `line`) lacking the column `name`; a
+/// header that is a JSON object (a JSON Lines trace given as `format`, its `--format` name)
+/// says that the format may be wrong, as a CSV given as a JSON Lines trace does.
+pub(crate) fn missing_column(
+    path: &Path,
+    line: usize,
+    fields: &[&str],
+    name: &str,
+    format: &str,
+) -> SimError {
+    let json = fields
+        .first()
+        .is_some_and(|f| f.trim_start_matches('\u{feff}').starts_with('{'));
+    let hint = if json {
+        format!(
+            " (the line is a JSON object, not the header of a `{format}` CSV: is --format right \
+             for this file? JSON Lines traces are `jsonl` or `mooncake`)"
+        )
+    } else {
+        String::new()
+    };
+    SimError::trace(
+        path,
+        line,
+        name,
+        format!("header lacks column `{name}`{hint}"),
+    )
+}
+
 /// Parses one line of a JSON Lines trace (`format`: its `--format` name) as a JSON object. A
 /// line that is not one says which format expected it, so a CSV given as a JSON Lines trace
 /// reads as the wrong format, not as a syntax error deep in the file.
@@ -729,6 +758,26 @@ mod tests {
         );
         let obj = json_object_line(p, 3, r#"{"timestamp": 1}"#, "mooncake").unwrap();
         assert_eq!(obj["timestamp"], 1);
+    }
+
+    /// A CSV trace's header lacking a column is named; one that is a JSON object (a JSON
+    /// Lines trace given as a CSV format) asks whether --format is right, as the reverse does.
+    #[test]
+    fn a_json_lines_trace_given_as_a_csv_format_asks_about_the_format() {
+        let p = Path::new("t.jsonl");
+        let json = ("{\"arrival_s\": 0", " \"prompt_len\": 4}");
+        for fields in [vec![json.0, json.1], vec!["\u{feff}{\"a\": 1}"]] {
+            assert_eq!(
+                missing_column(p, 1, &fields, "TIMESTAMP", "azure").to_string(),
+                "t.jsonl:1: field `TIMESTAMP`: header lacks column `TIMESTAMP` (the line is a \
+                 JSON object, not the header of a `azure` CSV: is --format right for this \
+                 file? JSON Lines traces are `jsonl` or `mooncake`)"
+            );
+        }
+        assert_eq!(
+            missing_column(p, 1, &["a", "b"], "num_prefill_tokens", "sharegpt").to_string(),
+            "t.jsonl:1: field `num_prefill_tokens`: header lacks column `num_prefill_tokens`"
+        );
     }
 
     fn req(arrival_s: f64) -> TraceRequest {

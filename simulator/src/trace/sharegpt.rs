@@ -109,9 +109,10 @@ pub fn load_sharegpt(
         let Some(idx) = cols else {
             let mut idx = [0usize; 2];
             for (slot, name) in idx.iter_mut().zip(COLUMNS) {
-                *slot = fields.iter().position(|f| *f == name).ok_or_else(|| {
-                    SimError::trace(path, line, name, format!("header lacks column `{name}`"))
-                })?;
+                *slot = fields
+                    .iter()
+                    .position(|f| *f == name)
+                    .ok_or_else(|| super::missing_column(path, line, &fields, name, "sharegpt"))?;
             }
             cols = Some(idx);
             return Ok(true);
