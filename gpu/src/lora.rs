@@ -1086,16 +1086,17 @@ mod tests {
             .collect()
     }
 
+    /// `values` as little-endian bf16 bytes.
+    fn bf16_bytes(values: &[f32]) -> Vec<u8> {
+        values
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect()
+    }
+
     /// The safetensors bytes of `tensors` (name, shape, f32 values) stored as bf16.
     fn file(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
-        let bytes: Vec<Vec<u8>> = tensors
-            .iter()
-            .map(|(_, _, v)| {
-                v.iter()
-                    .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                    .collect()
-            })
-            .collect();
+        let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| bf16_bytes(v)).collect();
         let views: Vec<(String, TensorView<'_>)> = tensors
             .iter()
             .zip(&bytes)
@@ -1451,14 +1452,7 @@ mod tests {
             let mut t = valid(&c);
             t.remove(0);
             let mut views: Vec<(String, TensorView<'_>)> = Vec::new();
-            let bf16: Vec<Vec<u8>> = t
-                .iter()
-                .map(|(_, _, v)| {
-                    v.iter()
-                        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                        .collect()
-                })
-                .collect();
+            let bf16: Vec<Vec<u8>> = t.iter().map(|(_, _, v)| bf16_bytes(v)).collect();
             let f64s: Vec<u8> = values(64, 0.0)
                 .iter()
                 .flat_map(|x| f64::from(*x).to_le_bytes())

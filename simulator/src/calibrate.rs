@@ -566,17 +566,22 @@ mod tests {
         assert_eq!(longest_context(&[batch, one]), 1024);
     }
 
+    /// Steps of `shapes` timed exactly as the model with coefficients `truth` predicts.
+    fn exact_samples(truth: &[f64; NUM_TERMS], shapes: Vec<StepShape>) -> Vec<Sample> {
+        shapes
+            .into_iter()
+            .map(|shape| Sample {
+                shape,
+                seconds: predict(truth, 0, &shape),
+            })
+            .collect()
+    }
+
     /// Data made by the model itself is fitted exactly, every coefficient recovered.
     #[test]
     fn recovers_the_coefficients_that_made_the_data() {
         let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 0.0, 0.0, 0.0];
-        let samples: Vec<Sample> = sweep()
-            .into_iter()
-            .map(|shape| Sample {
-                shape,
-                seconds: predict(&truth, 0, &shape),
-            })
-            .collect();
+        let samples = exact_samples(&truth, sweep());
         let f = fit(&samples).unwrap();
         let c = &f.calibration;
         let got = [
@@ -624,13 +629,7 @@ mod tests {
             }
         }
         shapes.push(adapted(shape(&[(32, 1, false)]), 1));
-        let samples: Vec<Sample> = shapes
-            .into_iter()
-            .map(|shape| Sample {
-                shape,
-                seconds: predict(&truth, 0, &shape),
-            })
-            .collect();
+        let samples = exact_samples(&truth, shapes);
         let f = fit(&samples).unwrap();
         let c = &f.calibration;
         assert!(
@@ -823,13 +822,7 @@ mod tests {
     #[test]
     fn refits_of_exact_data_agree() {
         let truth = [2e-3, 5e-6, 1e-6, 3e-5, 4e-5, 2e-8, 1e-10, 0.0, 0.0, 0.0];
-        let samples: Vec<Sample> = sweep()
-            .into_iter()
-            .map(|shape| Sample {
-                shape,
-                seconds: predict(&truth, 0, &shape),
-            })
-            .collect();
+        let samples = exact_samples(&truth, sweep());
         let refits = group_refits(&samples).unwrap();
         assert_eq!(refits.len(), JACKKNIFE_GROUPS);
         let decode = shape(&[(1024, 1, false); 32]);
