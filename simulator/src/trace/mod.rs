@@ -244,14 +244,17 @@ pub type TraceReader = std::io::BufReader<Bounded<std::fs::File>>;
 /// typed by hand is never what was meant: `/dev/stdin` with nothing piped in), are refused
 /// at once. Opening a named pipe waits for its writer, as every reader of one does.
 pub fn open_trace(path: &Path) -> Result<TraceReader, SimError> {
-    let meta = std::fs::metadata(path).map_err(|e| SimError::io(path, e))?;
+    // Named as the trace: a file that is not there is most often a mistyped path.
+    let not_opened =
+        |e: std::io::Error| SimError::spec(path, format!("the trace cannot be opened: {e}"));
+    let meta = std::fs::metadata(path).map_err(not_opened)?;
     if meta.is_dir() {
         return Err(SimError::spec(
             path,
             "is a directory, not a trace: give the trace file in it",
         ));
     }
-    let file = std::fs::File::open(path).map_err(|e| SimError::io(path, e))?;
+    let file = std::fs::File::open(path).map_err(not_opened)?;
     let limit = if meta.is_file() {
         u64::MAX
     } else {
@@ -965,7 +968,15 @@ mod tests {
             .read_to_string(&mut text)
             .unwrap();
         assert_eq!(text, "x\n");
-        assert!(open_trace(&dir.path().join("missing")).is_err());
+        let missing = dir.path().join("missing");
+        let err = open_trace(&missing).unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "{}: the trace cannot be opened: ",
+                missing.display()
+            )),
+            "{err}"
+        );
     }
 
     /// A think time is scaled with the arrivals (time_scale, rate, load) and bounded after.
