@@ -1252,9 +1252,9 @@ pub(crate) fn tier_specs(tiers: &BTreeMap<String, TierConf>) -> Vec<switchyard_p
 }
 
 /// The line of `text` where the error `e` of the spec's `index`-th policy is written: the
-/// parameter it names, else the policy's `params`, its `name` for an unknown policy, else the
-/// entry or the `policies` key (`None` where the YAML's layout hides it, e.g. a flow list
-/// over several lines).
+/// parameter it names (a tier's weight: the spec's `tiers`), else the policy's `params`, its
+/// `name` for an unknown policy, else the entry or the `policies` key (`None` where the YAML's
+/// layout hides it, e.g. a flow list over several lines).
 fn policy_error_line(
     text: &str,
     index: usize,
@@ -1276,9 +1276,14 @@ fn policy_error_line(
         _ => None,
     };
     let params = format!("{entry}.params");
+    // `fair-share` refuses a tier's weight as its parameter `tiers`: written under the spec's
+    // `tiers`, not under the policy (unless its params do hold a `tiers`, unknown to it).
+    let tiers =
+        matches!(e, PolicyError::InvalidParam { field, .. } if field == "tiers").then_some("tiers");
     let line = field
         .iter()
         .map(String::as_str)
+        .chain(tiers)
         .chain([params.as_str(), entry.as_str(), "policies"])
         .find_map(|f| switchyard_config::locate(text, f));
     line
@@ -1512,6 +1517,27 @@ workload:
             err.starts_with("sim.yaml:4: policies: policy `fcfs`"),
             "{err}"
         );
+    }
+
+    /// A tier whose weight `fair-share` refuses (the spec's own check takes any positive one)
+    /// is named at the spec's `tiers`, where it is written, not at the policy's entry.
+    #[test]
+    fn a_tier_a_policy_refuses_is_named_at_the_tiers() {
+        let policies = "policies:\n  - name: fcfs\n  - name: fair-share\n    params:\n      \
+                        input_weight: 1\n";
+        let tiers = "tiers:\n  gold: {weight: 0.0001}\n";
+        let workload = "workload: {trace: t.jsonl, format: jsonl}\n";
+        let want = "policies: policy `fair-share`: parameter `tiers`: tier `gold`: weight must be";
+        for (text, line) in [
+            (format!("seed: 3\n{tiers}{policies}{workload}"), 2),
+            (format!("seed: 3\n{policies}{tiers}{workload}"), 7),
+        ] {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("sim.yaml:{line}: {want}")),
+                "{err}"
+            );
+        }
     }
 
     /// A spec, tiers or calibration file is a regular file of UTF-8 text within its bound;
