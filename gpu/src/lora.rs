@@ -787,8 +787,20 @@ fn read_header(path: &Path, max: u64) -> Result<Metadata, GpuError> {
         return Err(bad(SafeTensorError::InvalidHeaderLength));
     }
     let text = std::str::from_utf8(&header).map_err(|e| bad(SafeTensorError::InvalidHeader(e)))?;
-    let meta: Metadata = serde_json::from_str(text)
+    // Parsed, then checked (offsets, sizes), as `SafeTensors::read_metadata` does it, so that
+    // a header of valid JSON but wrong figures is refused with the load's words, not as JSON.
+    #[derive(serde::Deserialize)]
+    struct Header {
+        #[serde(rename = "__metadata__")]
+        metadata: Option<HashMap<String, String>>,
+        #[serde(flatten)]
+        tensors: HashMap<String, TensorInfo>,
+    }
+    let parsed: Header = serde_json::from_str(text)
         .map_err(|e| bad(SafeTensorError::InvalidHeaderDeserialization(e)))?;
+    let mut tensors: Vec<(String, TensorInfo)> = parsed.tensors.into_iter().collect();
+    tensors.sort_by_key(|(_, a)| a.data_offsets);
+    let meta = Metadata::new(parsed.metadata, tensors).map_err(bad)?;
     if (meta.data_len() as u64).saturating_add(8 + n) != len {
         return Err(bad(SafeTensorError::MetadataIncompleteBuffer));
     }
@@ -1532,6 +1544,37 @@ mod tests {
         let (check, load) = check_and_load(&d, &c, CONFIG, &edited(&|t| t[0].2[3] = f32::NAN));
         assert_eq!(check, Ok(()));
         assert!(load.unwrap_err().contains("NaN"));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+        /// Whatever is written over a valid file's length field and JSON header, the check
+        /// before a load into full memory refuses nothing a load accepts, and what it refuses
+        /// a load refuses for the same reason.
+        #[test]
+        fn the_header_check_refuses_nothing_a_load_accepts(
+            edits in proptest::collection::vec((0usize..4096, proptest::prelude::any::<u8>()), 1..4),
+            printable in proptest::prelude::any::<bool>(),
+        ) {
+            let c = tiny(RopeStyle::Halves);
+            let d = scratch("check-prop");
+            let mut bytes = file(&valid(&c));
+            let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            // Printable: anywhere in the JSON; else a digit of it for another (the shapes'
+            // and offsets' numbers: JSON still, wrong figures).
+            let digits: Vec<usize> = (8..header).filter(|&i| bytes[i].is_ascii_digit()).collect();
+            for (at, b) in edits {
+                if printable {
+                    bytes[8 + at % (header - 8)] = b' ' + b % 95;
+                } else {
+                    bytes[digits[at % digits.len()]] = b'0' + b % 10;
+                }
+            }
+            let (check, load) = check_and_load(&d, &c, CONFIG, &bytes);
+            if let Err(e) = &check {
+                proptest::prop_assert_eq!(load.as_ref().err(), Some(e), "check {:?}", check);
+            }
+        }
     }
 
     /// A header whose length field says more than the file's bound is refused before that
