@@ -177,11 +177,10 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         );
     }
     let reference = slo_params::reference(&calibration);
+    // A value of 0 (a rounded-away step cost) has its spread shown as it is, not in percent.
     let within = |value: f64, error: Option<f64>| match error {
-        Some(e) => format!(
-            "{value} (±{:.1}%)",
-            100.0 * e / value.max(f64::MIN_POSITIVE)
-        ),
+        Some(e) if value > 0.0 => format!("{value} (±{:.1}%)", 100.0 * e / value),
+        Some(e) => format!("{value} (±{e})"),
         None => value.to_string(),
     };
     println!(
@@ -230,11 +229,15 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
             if error > POOR_DETERMINATION * value {
                 eprintln!(
                     "warning: the steps measured do not determine {name}: refits leaving a \
-                     tenth of them out move it by ±{:.0}% (the jackknife's standard error): the \
+                     tenth of them out move it by ±{} (the jackknife's standard error): the \
                      fit cannot tell its terms apart on these shapes (measure a larger \
                      --max-context or --max-kv-tokens, or with more --repeats on a quieter \
                      machine)",
-                    100.0 * error / value
+                    if value > 0.0 {
+                        format!("{:.0}%", 100.0 * error / value)
+                    } else {
+                        format!("{error} around 0")
+                    }
                 );
             }
         }
