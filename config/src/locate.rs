@@ -71,9 +71,14 @@ fn find_key(line: &str, key: &str) -> Option<usize> {
     None
 }
 
-/// [`locate`] in block style only.
+/// [`locate`] in block style only. A segment's key is looked for below the previous
+/// segment's line, among the lines indented more than it; the dash line of a list item is
+/// the one exception (the item's first key sits on it), and the item ends at the next line
+/// as little indented (the next item's dash, or the end of the list).
 fn locate_block(text: &str, path: &str) -> Option<usize> {
     let mut parent_indent: Option<usize> = None;
+    // The dash line of the list item the previous segment's index chose.
+    let mut dash_line: Option<usize> = None;
     let mut start = 0usize;
     let lines: Vec<&str> = text.lines().collect();
     let mut found = None;
@@ -90,7 +95,7 @@ fn locate_block(text: &str, path: &str) -> Option<usize> {
                 continue;
             }
             if let Some(p) = parent_indent {
-                if indent <= p && i > start {
+                if indent <= p && dash_line != Some(i) {
                     break;
                 }
             }
@@ -123,14 +128,17 @@ fn locate_block(text: &str, path: &str) -> Option<usize> {
             let (i, ind) = item?;
             line_no = i;
             indent = ind;
-            // The item's first key sits on the dash line: let the next segment search from it.
+            // The item's first key sits on the dash line: let the next segment search from it,
+            // down to the next line indented as little as the dash.
             start = line_no;
-            parent_indent = Some(indent.saturating_sub(1));
+            parent_indent = Some(indent);
+            dash_line = Some(line_no);
             found = Some(line_no + 1);
             continue;
         }
         start = line_no + 1;
         parent_indent = Some(indent);
+        dash_line = None;
         found = Some(line_no + 1);
     }
     found
@@ -181,6 +189,40 @@ mod tests {
         assert_eq!(locate(text, "server.api_keys[0].adapters"), None);
         let text = "server:\n  api_keys:\n    [{key: aaaaaaaa, tier: gold}]\n";
         assert_eq!(locate(text, "server.api_keys[0].tier"), None);
+    }
+
+    /// The line after a key is held to the key's indentation like every other: a key whose
+    /// value is written on its own line (a flow mapping, a scalar) has nothing below it, and
+    /// the next line's key of the same name is a sibling's, not the path's (it used to be
+    /// taken, one line off).
+    #[test]
+    fn the_line_after_a_flow_mapping_is_not_inside_it() {
+        let text = "scheduler:\n  policy: { name: x, params: { label: y } }\n  params: 1\n";
+        assert_eq!(locate(text, "scheduler.policy.params"), Some(2));
+        assert_eq!(locate(text, "scheduler.policy.params.label"), Some(2));
+        let text = "lora: { max_loras: 0 }\nmax_loras: 1\n";
+        assert_eq!(locate(text, "lora.max_loras"), Some(1));
+        // Written nowhere under the key: no line, rather than the sibling's.
+        let text = "tiers:\n  gold: {}\n  weight: 2\n";
+        assert_eq!(locate(text, "tiers.gold.weight"), None);
+        let text = "server:\n  port: 80\nhost: x\n";
+        assert_eq!(locate(text, "server.port.host"), None);
+    }
+
+    /// Only a list item's dash line is exempt from its parent's indentation (its first key
+    /// sits on it): a list item ends at the next dash, so an item written as a flow mapping
+    /// does not lend the next item's field.
+    #[test]
+    fn a_list_item_ends_at_the_next_dash() {
+        let text = "server:\n  api_keys:\n    - { key: aaaaaaaa, tier: gold }\n    - key: bbbbbbbb\n      tier: standard\n";
+        assert_eq!(locate(text, "server.api_keys[0].tier"), Some(3));
+        assert_eq!(locate(text, "server.api_keys[1].tier"), Some(5));
+        assert_eq!(locate(text, "server.api_keys[0].key"), Some(3));
+        // The dash at the key's own indentation, as YAML allows.
+        let text = "server:\n  api_keys:\n  - key: aaaaaaaa\n  - key: bbbbbbbb\n    tier: gold\nlora: {}\n";
+        assert_eq!(locate(text, "server.api_keys[0].tier"), None);
+        assert_eq!(locate(text, "server.api_keys[1].tier"), Some(5));
+        assert_eq!(locate(text, "server.api_keys[1].key"), Some(4));
     }
 
     #[test]
