@@ -427,3 +427,67 @@ fn a_scratch_directory_is_removed_when_its_test_fails() {
     let dir = kept.expect("the directory was made");
     assert!(!dir.exists(), "{} is left behind", dir.display());
 }
+
+/// A misspelt key or choice gets the known name nearest it ("did you mean"), in the file, in
+/// an override and in an environment variable; a name near none gets serde's list alone.
+#[test]
+fn a_misspelt_key_or_choice_names_the_one_meant() {
+    for (find, replace, expected, meant) in [
+        (
+            "port: 8000",
+            "prot: 8000",
+            "server: unknown field `prot`, expected one of `host`, `port`,",
+            "port",
+        ),
+        (
+            "max_num_seqs: 64",
+            "max_num_seq: 64",
+            "scheduler: unknown field `max_num_seq`, expected one of `max_num_seqs`,",
+            "max_num_seqs",
+        ),
+        (
+            "backend: auto ",
+            "backend: cdua ",
+            "model.backend: unknown variant `cdua`, expected one of `auto`, `cpu`, `cuda`",
+            "cuda",
+        ),
+        (
+            "# load_format: auto ",
+            "load_format: safetensor ",
+            "model.load_format: unknown variant `safetensor`, expected one of",
+            "safetensors",
+        ),
+    ] {
+        let (_dir, file) = edited("misspelt", find, replace);
+        let err = refused(&file, &[], &[]);
+        let at = format!("error: {}:{}: {expected}", file.display(), line_of(find));
+        assert!(
+            err.starts_with(&at) && err.contains(&format!("(did you mean `{meant}`?) at line")),
+            "{replace}: {err}"
+        );
+    }
+    // Nothing near: serde's list, no guess.
+    let (_dir, file) = edited("far", "port: 8000", "colour: 8000");
+    let err = refused(&file, &[], &[]);
+    assert!(
+        err.contains("unknown field `colour`, expected one of `host`, `port`"),
+        "{err}"
+    );
+    assert!(!err.contains("did you mean"), "{err}");
+    // The same through an override, named as the operator wrote it.
+    let example = Path::new(EXAMPLE);
+    let err = refused(example, &["--set", "server.prot=80"], &[]);
+    assert!(
+        err.starts_with("error: override `--set server.prot=80`: ")
+            && err.contains("unknown field `prot`")
+            && err.contains("(did you mean `port`?)"),
+        "{err}"
+    );
+    let err = refused(example, &[], &[("SWITCHYARD__MODEL__BACKEND", "CUDA")]);
+    assert!(
+        err.starts_with("error: override `SWITCHYARD__MODEL__BACKEND=CUDA`: ")
+            && err.contains("unknown variant `CUDA`")
+            && err.contains("(did you mean `cuda`?)"),
+        "{err}"
+    );
+}

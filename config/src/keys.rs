@@ -64,7 +64,8 @@ impl Config {
                 file: shown.clone(),
                 line: e.location().map(|l| l.line()),
                 message: format!(
-                    "{FILE_FIELD}: expected a list of {{key, tenant, tier, adapters}} entries: {e}"
+                    "{FILE_FIELD}: expected a list of {{key, tenant, tier, adapters}} entries: {}",
+                    crate::with_did_you_mean(&e.to_string())
                 ),
             })?
         };

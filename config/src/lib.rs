@@ -16,6 +16,8 @@ mod file;
 mod keys;
 mod locate;
 mod log_filter;
+#[path = "../../support/nearest_name.rs"]
+mod nearest_name;
 mod overrides;
 mod schema;
 #[cfg(test)]
@@ -29,6 +31,7 @@ pub use cors::{CorsSection, MAX_CORS_ENTRIES, MAX_CORS_ENTRY_BYTES};
 pub use file::{expand_home, read_bytes, ReadError};
 pub use locate::locate;
 pub use log_filter::check_log_filter;
+pub use nearest_name::with_did_you_mean;
 pub use overrides::{apply_override, env_overrides, Override, OverrideSource, ENV_PREFIX};
 pub use schema::*;
 pub use tls::{TlsFiles, TlsSection, MAX_TLS_FILE_BYTES};
@@ -157,11 +160,12 @@ impl Config {
         check: impl FnOnce(&Config) -> Result<(), (String, String)>,
     ) -> Result<Self, ConfigError> {
         // The parser's message names the field by its path and the value's position (range
-        // checks run while the parser is at the value).
+        // checks run while the parser is at the value); a misspelt key or variant gets the
+        // known name nearest it.
         let parse_err = |file: &str, e: serde_yaml::Error| ConfigError::Parse {
             file: file.to_string(),
             line: e.location().map(|l| l.line()),
-            message: crate::short_number::short_float_echoes(&e.to_string()),
+            message: with_did_you_mean(&crate::short_number::short_float_echoes(&e.to_string())),
         };
         // An empty file is the all-defaults configuration.
         let mut config: Config = if text.trim().is_empty() {
@@ -213,7 +217,10 @@ impl Config {
                 let message = if overrides::is_secret_path(&field) {
                     format!("field `{field}`: must be a string (the value is not shown)")
                 } else {
-                    format!("field `{field}`: {}", e.inner())
+                    format!(
+                        "field `{field}`: {}",
+                        with_did_you_mean(&e.inner().to_string())
+                    )
                 };
                 return Err(ConfigError::Override {
                     text: by.to_string(),
@@ -284,6 +291,58 @@ mod tests {
     fn env(name: &str, value: &str) -> Override {
         let vars = [(name.into(), value.into())];
         env_overrides(vars).unwrap().remove(0)
+    }
+
+    /// A misspelt key or choice, through the loader: serde's message, located, with the
+    /// known name nearest it; none when no name is near, or the key is far longer than any.
+    #[test]
+    fn a_misspelt_key_or_variant_gets_the_nearest_known_name() {
+        let e = error("server:\n  prot: 8000\n", &[]);
+        assert!(
+            e.starts_with(
+                "t.yaml:2: server: unknown field `prot`, expected one of `host`, `port`,"
+            ),
+            "{e}"
+        );
+        assert!(
+            e.ends_with(" (did you mean `port`?) at line 2 column 3"),
+            "{e}"
+        );
+        let e = error("scheduler: {max_num_seq: 8}\n", &[]);
+        assert!(e.contains("unknown field `max_num_seq`"), "{e}");
+        assert!(e.contains("(did you mean `max_num_seqs`?)"), "{e}");
+        let e = error("model:\n  backend: cdua\n", &[]);
+        assert!(
+            e.starts_with("t.yaml:2: model.backend: unknown variant `cdua`, expected one of `auto`, `cpu`, `cuda` (did you mean `cuda`?)"),
+            "{e}"
+        );
+        let e = error("model: {load_format: dumy}\n", &[]);
+        assert!(e.contains("(did you mean `dummy`?)"), "{e}");
+        let e = error("cahce: {}\n", &[]);
+        assert!(e.contains("(did you mean `cache`?)"), "{e}");
+        // In an override: the field as the override names it.
+        let e = error("", &["server.prot=80".into()]);
+        assert!(
+            e.starts_with(
+                "override `--set server.prot=80`: field `server.prot`: unknown field `prot`"
+            ),
+            "{e}"
+        );
+        assert!(e.contains("(did you mean `port`?)"), "{e}");
+        // Nothing near, or a key far longer than any (YAML's longest plain key is 1024
+        // characters): serde's message alone.
+        for yaml in [
+            "server:\n  colour: 1\n".to_string(),
+            format!("server:\n  {}: 1\n", "p".repeat(1000)),
+        ] {
+            let e = error(&yaml, &[]);
+            assert!(
+                e.contains("expected one of `host`, `port`"),
+                "{}",
+                &e[..200]
+            );
+            assert!(!e.contains("did you mean"), "{}", &e[..200]);
+        }
     }
 
     #[test]

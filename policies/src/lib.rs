@@ -48,6 +48,8 @@ pub mod block_pool;
 pub mod error;
 pub mod host_tier;
 pub mod metric_names;
+#[path = "../../support/nearest_name.rs"]
+mod nearest_name;
 mod planner;
 pub mod policy;
 pub mod prefix_hash;

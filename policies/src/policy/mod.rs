@@ -20,7 +20,6 @@ mod chunked_prefill;
 mod fair_share;
 mod fcfs;
 mod mlfq;
-mod nearest;
 mod params;
 mod prefix_aware;
 mod priority;
@@ -210,7 +209,7 @@ impl PolicyRegistry {
             Some((_, factory)) => factory(params, tiers),
             None => Err(PolicyError::UnknownPolicy {
                 name: name.to_string(),
-                did_you_mean: nearest::did_you_mean(name, &self.names()),
+                did_you_mean: crate::nearest_name::did_you_mean(name, &self.names()),
                 known: self.names().join(", "),
             }),
         }

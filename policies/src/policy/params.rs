@@ -76,7 +76,7 @@ impl<'v> Params<'v> {
                     } else {
                         format!(
                             "unknown parameter{}; known: {}",
-                            super::nearest::did_you_mean(name, known),
+                            crate::nearest_name::did_you_mean(name, known),
                             known.join(", ")
                         )
                     };
