@@ -139,9 +139,10 @@ fn bench_serve_mooncake_sends_shared_blocks_the_prefix_cache_serves() {
     assert_eq!(v["trace_reusable_prompt_tokens"], TRACE_REUSABLE, "{v}");
 }
 
-/// `--skip-rows 2 --num-prompts 3` sends rows 3 to 5 alone: the skipped rows are not read (row
-/// 2 is one the run would refuse, as is row 6 after the slice), and reuse counts within the
-/// slice (row 4 repeats row 1, which was skipped, so it is neither the trace's reusable
+/// `--skip-rows 3 --num-prompts 3` sends rows 3 to 5 alone: the skipped rows are not read (the
+/// first line, a CSV header, is no row at all and passes the start check as a skipped row;
+/// row 2 is one the run would refuse, as is row 6 after the slice), and reuse counts within
+/// the slice (row 4 repeats row 1, which was skipped, so it is neither the trace's reusable
 /// tokens nor in the server's cache). With `--mooncake-block-tokens 16`:
 /// - row 3: id 9, 512 tokens: 16 sent;
 /// - row 4: ids 1, 2, 3, 1536 tokens: 48 sent, nothing of the slice before it;
@@ -155,7 +156,8 @@ fn bench_serve_mooncake_skip_rows_sends_the_slice_alone() {
     std::fs::write(
         &trace,
         format!(
-            r#"{{"timestamp": 0, "input_length": 1536, "output_length": 2, "hash_ids": [1, 2, 3]}}
+            r#"timestamp,input_length,output_length
+{{"timestamp": 0, "input_length": 1536, "output_length": 2, "hash_ids": [1, 2, 3]}}
 {bad}
 {{"timestamp": 200, "input_length": 512, "output_length": 2, "hash_ids": [9]}}
 {{"timestamp": 300, "input_length": 1536, "output_length": 2, "hash_ids": [1, 2, 3]}}
@@ -168,7 +170,7 @@ fn bench_serve_mooncake_skip_rows_sends_the_slice_alone() {
     let input = 16 + 48 + 32;
     let on = server("bench-mooncake-skip", true);
     let result = dir.join("skip.json");
-    let args = ["--skip-rows", "2", "--num-prompts", "3"];
+    let args = ["--skip-rows", "3", "--num-prompts", "3"];
     let stdout = bench_slice(&on, &trace, &result, &args, 3);
     assert_eq!(value(&stdout, "Total input tokens:"), input.to_string());
     assert_eq!(
@@ -203,6 +205,33 @@ fn bench_serve_mooncake_refuses_a_bad_row_by_file_and_line() {
     assert!(
         err.contains(&format!(
             "{}:5: field hash_ids: 1 ids for 5000 tokens",
+            trace.display()
+        )),
+        "{err}"
+    );
+    // A first line that is no row, read as one: refused at the start check, by its line;
+    // skipped, it passes that check and the run reads on (to the bad row).
+    std::fs::write(&trace, format!("timestamp,input_length\n{TRACE}{bad}\n")).unwrap();
+    let run = |skip: &str| {
+        fails(
+            switchyard()
+                .args(["bench", "serve", "--dataset", "mooncake", "--dataset-path"])
+                .arg(&trace)
+                .args(["--skip-rows", skip, "--base-url", "http://127.0.0.1:1"]),
+        )
+    };
+    let err = run("0");
+    assert!(
+        err.contains(&format!(
+            "{}:1: not JSON Lines of objects (its first character is `t`, not `{{`)",
+            trace.display()
+        )),
+        "{err}"
+    );
+    let err = run("1");
+    assert!(
+        err.contains(&format!(
+            "{}:6: field hash_ids: 1 ids for 5000 tokens",
             trace.display()
         )),
         "{err}"

@@ -185,6 +185,60 @@ fn mooncake_rows_hit_the_prefix_cache_and_the_host_tier() {
     );
 }
 
+/// `--skip-rows` counts the rows it skips without reading them, and the start check (before
+/// the model loads) agrees: a first line that is no row (here a CSV header) passes it when
+/// skipped, and the run reads the rows after it; not skipped, it is refused at once, by its
+/// line, before the model loads (there is no model at the path given: a check after the load
+/// would name that instead).
+#[test]
+fn a_skipped_first_line_that_is_no_row_passes_the_start_check() {
+    let dir = common::temp_dir("bench-throughput-mooncake", "skip");
+    let path = dir.join("trace.jsonl");
+    std::fs::write(
+        &path,
+        format!("timestamp,input_length,output_length\n{TRACE}"),
+    )
+    .expect("write the trace");
+    let run = |skip: &str| {
+        let mut cmd = switchyard();
+        cmd.args(["bench", "throughput", "--backend", "cpu", "--threads", "2"])
+            .args(["--dataset", "mooncake", "--dataset-path"])
+            .arg(&path)
+            .args(["--skip-rows", skip, "--mooncake-block-tokens", "16"])
+            .args(["--num-prompts", "2", "--max-output-len", "2", "--json"]);
+        cmd
+    };
+    let out = run("1")
+        .args(["--dummy", "smollm2-135m"])
+        .output()
+        .expect("run switchyard");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    // The trace's rows 1 and 2: 64 prompt tokens each, the second sharing three blocks.
+    assert_eq!(count(&report, "num_requests"), 2, "{report}");
+    assert_eq!(count(&report, "total_prompt_tokens"), 2 * 64, "{report}");
+    assert_eq!(
+        count(&report, "trace_reusable_prompt_tokens"),
+        48,
+        "{report}"
+    );
+    let e = fails(run("0").args(["--model", "/nonexistent/model.gguf"]));
+    assert!(
+        e.contains(&format!(
+            "{}:1: not JSON Lines of objects (its first character is `t`, not `{{`)",
+            path.display()
+        )),
+        "{e}"
+    );
+    assert!(!e.contains("nonexistent"), "{e}");
+}
+
 /// The cache flags are refused before the model loads, naming the flag and the setting.
 #[test]
 fn cache_flags_out_of_range_are_refused() {

@@ -58,7 +58,12 @@ fn read_dataset_file(args: &ThroughputArgs) -> anyhow::Result<Option<(PathBuf, S
             MAX_DATASET_BYTES,
             Some(DatasetStart::Csv(&SHAREGPT_COLUMNS)),
         ),
-        BenchDataset::Mooncake => (MAX_DATASET_BYTES, Some(DatasetStart::JsonObjects)),
+        BenchDataset::Mooncake => (
+            MAX_DATASET_BYTES,
+            Some(DatasetStart::Mooncake {
+                skip_rows: args.mooncake.skip_rows,
+            }),
+        ),
         BenchDataset::Prompts => (MAX_PROMPTS_FILE, None),
     };
     // Only the prompts dataset has no default file.
@@ -1004,7 +1009,7 @@ mod tests {
         prompts.dataset_path = None;
         let e = format!("{:#}", read_dataset_file(&prompts).unwrap_err());
         assert_eq!(e, "--dataset prompts needs --dataset-path FILE");
-        let dir = crate::scratch::ScratchDir::new("bench-dataset-start");
+        let dir = crate::scratch::ScratchDir::new("bench-throughput-dataset-start");
         let mut sharegpt = throughput_args("--dataset sharegpt");
         let path = dir.join("d.csv");
         sharegpt.dataset_path = Some(path.clone());

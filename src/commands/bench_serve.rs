@@ -491,8 +491,12 @@ pub(super) fn read_bounded(path: &Path, max: u64) -> anyhow::Result<String> {
 pub(super) enum DatasetStart<'a> {
     /// A CSV whose header (the first line, a byte order mark aside) has these columns.
     Csv(&'a [&'a str]),
-    /// JSON Lines of objects: the first byte that is not whitespace is `{`.
-    JsonObjects,
+    /// A Mooncake trace read with `--skip-rows skip_rows`: the first row
+    /// [`mooncake::read_rows`] reads begins with `{` ([`mooncake::FirstRowCheck`]).
+    Mooncake {
+        /// Rows counted, not read, before the first one read.
+        skip_rows: usize,
+    },
 }
 
 /// Longest CSV header read before a file without one (no line end yet) is refused.
@@ -510,6 +514,11 @@ pub(super) fn read_dataset(
         std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     let mut bytes = Vec::new();
     let mut checked = start.is_none();
+    // A trace's check keeps its place between pieces: each byte is looked at once.
+    let mut first_row = match start {
+        Some(DatasetStart::Mooncake { skip_rows }) => Some(mooncake::FirstRowCheck::new(skip_rows)),
+        _ => None,
+    };
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
         let n = match file.read(&mut chunk) {
@@ -524,8 +533,14 @@ pub(super) fn read_dataset(
             "{} is larger than {max} bytes",
             path.display()
         );
-        if let (false, Some(start)) = (checked, start) {
-            checked = check_dataset_start(path, &bytes, start, n == 0)?;
+        if !checked {
+            checked = match (&mut first_row, start) {
+                (Some(check), _) => check.check(path, &bytes, n == 0)?,
+                (None, Some(DatasetStart::Csv(names))) => {
+                    check_csv_header(path, &bytes, names, n == 0)?
+                }
+                (None, _) => true,
+            };
         }
         if n == 0 {
             break;
@@ -534,59 +549,32 @@ pub(super) fn read_dataset(
     String::from_utf8(bytes).with_context(|| format!("reading {}: not UTF-8 text", path.display()))
 }
 
-/// Whether the beginning `bytes` of the dataset at `path` has been checked against `start`
-/// (false: more must be read to tell; `all` says there is no more); an error if it cannot be
-/// the dataset.
-fn check_dataset_start(
-    path: &Path,
-    bytes: &[u8],
-    start: DatasetStart,
-    all: bool,
-) -> anyhow::Result<bool> {
+/// Whether the header of the CSV dataset at `path`, of which `bytes` is the beginning, has
+/// been checked to hold the columns `names` (false: more must be read to tell; `all` says
+/// there is no more); an error if it cannot be the dataset.
+fn check_csv_header(path: &Path, bytes: &[u8], names: &[&str], all: bool) -> anyhow::Result<bool> {
     let bytes = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(bytes);
-    match start {
-        DatasetStart::JsonObjects => match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
-            Some(b'{') => Ok(true),
-            Some(&b) => anyhow::bail!(
-                "{}: not JSON Lines of objects (its first character is {}, not `{{`)",
-                path.display(),
-                shown_byte(b)
-            ),
-            None => Ok(all),
-        },
-        DatasetStart::Csv(names) => {
-            let header = match bytes.iter().position(|&b| b == b'\n') {
-                Some(end) => &bytes[..end],
-                None if all => bytes,
-                None => {
-                    anyhow::ensure!(
-                        bytes.len() <= MAX_CSV_HEADER_BYTES,
-                        "{}: not a CSV file: no line end in its first {MAX_CSV_HEADER_BYTES} \
-                         bytes, so it has no header line",
-                        path.display()
-                    );
-                    return Ok(false);
-                }
-            };
-            let header = std::str::from_utf8(header).map_err(|_| {
-                anyhow::anyhow!(
-                    "{}: not a CSV file: its header line is not UTF-8 text",
-                    path.display()
-                )
-            })?;
-            csv_columns(path, header, names)?;
-            Ok(true)
+    let header = match bytes.iter().position(|&b| b == b'\n') {
+        Some(end) => &bytes[..end],
+        None if all => bytes,
+        None => {
+            anyhow::ensure!(
+                bytes.len() <= MAX_CSV_HEADER_BYTES,
+                "{}: not a CSV file: no line end in its first {MAX_CSV_HEADER_BYTES} \
+                 bytes, so it has no header line",
+                path.display()
+            );
+            return Ok(false);
         }
-    }
-}
-
-/// A byte as an error shows it: the character for printable ASCII, else its value.
-fn shown_byte(b: u8) -> String {
-    if b.is_ascii_graphic() {
-        format!("`{}`", b as char)
-    } else {
-        format!("byte 0x{b:02x}")
-    }
+    };
+    let header = std::str::from_utf8(header).map_err(|_| {
+        anyhow::anyhow!(
+            "{}: not a CSV file: its header line is not UTF-8 text",
+            path.display()
+        )
+    })?;
+    csv_columns(path, header, names)?;
+    Ok(true)
 }
 
 /// The run's prompts: their lengths, outputs, arrival offsets (if the dataset has them) and
@@ -600,9 +588,10 @@ fn workload(args: &ServeBenchArgs, rng: &mut ChaCha8Rng) -> anyhow::Result<Vec<R
                 .dataset_path
                 .clone()
                 .context("--dataset-path is required for the mooncake dataset")?;
-            let text = read_dataset(&path, MAX_DATASET_BYTES, Some(DatasetStart::JsonObjects))?;
-            let rows =
-                mooncake::read_rows(&path, &text, row_shape(args), args.mooncake.skip_rows, n)?;
+            let skip_rows = args.mooncake.skip_rows;
+            let start = DatasetStart::Mooncake { skip_rows };
+            let text = read_dataset(&path, MAX_DATASET_BYTES, Some(start))?;
+            let rows = mooncake::read_rows(&path, &text, row_shape(args), skip_rows, n)?;
             Ok(rows.into_iter().map(Row::from).collect())
         }
         ServeDataset::Sharegpt | ServeDataset::Trace => {
@@ -2351,13 +2340,14 @@ mod tests {
         let cols = DatasetStart::Csv(&["num_prefill_tokens", "num_decode_tokens"]);
         let read = |start| read_dataset(&path, MAX_DATASET_BYTES, Some(start));
         let zero = Path::new("/dev/zero");
+        let trace = DatasetStart::Mooncake { skip_rows: 0 };
         let e = format!(
             "{:#}",
-            read_dataset(zero, MAX_DATASET_BYTES, Some(DatasetStart::JsonObjects)).unwrap_err()
+            read_dataset(zero, MAX_DATASET_BYTES, Some(trace)).unwrap_err()
         );
         assert_eq!(
             e,
-            "/dev/zero: not JSON Lines of objects (its first character is byte 0x00, not `{`)"
+            "/dev/zero:1: not JSON Lines of objects (its first character is byte 0x00, not `{`)"
         );
         let e = format!(
             "{:#}",
@@ -2373,15 +2363,17 @@ mod tests {
         // JSON Lines: whitespace and a byte order mark may come first; anything else is not.
         let rows = "\u{feff}\n  {\"timestamp\": 0}\nnot json\n";
         std::fs::write(&path, rows).unwrap();
-        assert_eq!(read(DatasetStart::JsonObjects).unwrap(), rows);
-        std::fs::write(&path, "[{\"timestamp\": 0}]").unwrap();
-        let e = format!("{:#}", read(DatasetStart::JsonObjects).unwrap_err());
+        assert_eq!(read(trace).unwrap(), rows);
+        std::fs::write(&path, "\n[{\"timestamp\": 0}]").unwrap();
+        let e = format!("{:#}", read(trace).unwrap_err());
         assert!(
-            e.ends_with("d: not JSON Lines of objects (its first character is `[`, not `{`)"),
+            e.ends_with("d:2: not JSON Lines of objects (its first character is `[`, not `{`)"),
             "{e}"
         );
+        // A file without a row is refused as the run refuses it.
         std::fs::write(&path, " \n").unwrap();
-        assert_eq!(read(DatasetStart::JsonObjects).unwrap(), " \n");
+        let e = format!("{:#}", read(trace).unwrap_err());
+        assert!(e.ends_with("d has no rows"), "{e}");
         // A CSV's header is checked once its line ends (or the file does), before the rest.
         let mut csv = "\u{feff}id,num_prefill_tokens,num_decode_tokens\r\n".to_string();
         csv.push_str(&"1,2,3\n".repeat(100_000));
@@ -2405,10 +2397,7 @@ mod tests {
         );
         // The bound still holds for a file whose start is right.
         std::fs::write(&path, "{}\n{}\n").unwrap();
-        let e = format!(
-            "{:#}",
-            read_dataset(&path, 4, Some(DatasetStart::JsonObjects)).unwrap_err()
-        );
+        let e = format!("{:#}", read_dataset(&path, 4, Some(trace)).unwrap_err());
         assert!(e.ends_with("d is larger than 4 bytes"), "{e}");
     }
 

@@ -36,6 +36,9 @@ use serde::Deserialize;
 use switchyard_simulator::spec::short_number;
 use switchyard_simulator::trace::{MAX_ARRIVAL_S, MAX_LINE_BYTES, MAX_REQUESTS as MAX_ROWS};
 
+mod first_row;
+pub(super) use first_row::FirstRowCheck;
+
 /// Tokens a hash id covers in the published trace.
 pub(super) const TRACE_BLOCK_TOKENS: usize = 512;
 /// Largest `--mooncake-block-tokens`.
@@ -174,7 +177,16 @@ pub(super) fn read_rows(
             "{}: more than {MAX_ROWS} rows",
             path.display()
         );
-        let line: Line = serde_json::from_str(raw).with_context(|| {
+        // A row is a JSON object: serde would also take an array of the fields in order,
+        // which the format is not (and which the start check, [`FirstRowCheck`], refuses).
+        let parsed = match raw.trim_start().chars().next() {
+            Some('{') => serde_json::from_str(raw).map_err(anyhow::Error::from),
+            first => Err(anyhow::anyhow!(
+                "it begins with {}, not `{{`",
+                first.map_or_else(|| "nothing".into(), shown_char)
+            )),
+        };
+        let line: Line = parsed.with_context(|| {
             // A line that is no JSON object at all (a CSV trace given as the mooncake
             // dataset) is the wrong file, not a bad row: say so, as `simulate` does.
             match serde_json::from_str::<serde_json::Value>(raw) {
@@ -248,8 +260,14 @@ pub(super) fn read_rows(
             hash_ids: line.hash_ids.map(Arc::from),
         });
     }
-    anyhow::ensure!(
-        !rows.is_empty(),
+    anyhow::ensure!(!rows.is_empty(), "{}", no_rows(path, skipped, skip));
+    Ok(rows)
+}
+
+/// Why a file of which `skipped` rows were counted and skipped (of the `skip` that
+/// `--skip-rows` asks) gives no row to read.
+fn no_rows(path: &Path, skipped: usize, skip: usize) -> String {
+    format!(
         "{} has no rows{}",
         path.display(),
         if skipped < skip {
@@ -259,8 +277,19 @@ pub(super) fn read_rows(
         } else {
             String::new()
         }
-    );
-    Ok(rows)
+    )
+}
+
+/// A character as an error shows it: printable ASCII as itself, other ASCII as its byte, the
+/// rest as its code point.
+fn shown_char(c: char) -> String {
+    if c.is_ascii_graphic() {
+        format!("`{c}`")
+    } else if c.is_ascii() {
+        format!("byte 0x{:02x}", c as u32)
+    } else {
+        format!("U+{:04X}", c as u32)
+    }
 }
 
 /// A row of `input` trace tokens at `block_tokens` tokens a block rather than 512: scaled and
@@ -593,9 +622,12 @@ mod tests {
     fn a_file_of_another_format_is_named_as_not_a_mooncake_trace() {
         let hint = "not a JSON object: a Mooncake trace has one JSON object per line \
                     (is --dataset-path a Mooncake trace?)";
+        // An array of the fields in order is refused too (serde would take it).
         for bad in [
             "TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n",
             "[1, 2]\n",
+            "[5, 10, 1]\n",
+            " [5, 10, 1, [1]]\n",
         ] {
             let e = format!("{:#}", read(bad, SHAPE).unwrap_err());
             assert!(e.starts_with("mc.jsonl:1: field <json>: "), "{e}");
