@@ -419,6 +419,7 @@ impl Simulation {
                     pinned: m.pinned.iter().copied().collect(),
                     // Validated within 0..=600,000 ms.
                     load_us: (load_ms * 1e3).round() as u64,
+                    max_adapters: m.max_adapters,
                 };
                 Some((config, from))
             }
@@ -766,6 +767,9 @@ enum Outcome {
     /// adapter by its tenant's share of adapter memory full of adapters in use
     /// (`max_cpu_loras_per_tenant`): the server's 429, reason `tenant_busy`.
     TenantBusy,
+    /// Refused as it asked for its adapter, not registered, by a registry full of adapters
+    /// in use or pinned (`lora_memory.max_adapters`): the server's 503, reason `unavailable`.
+    Unavailable,
     Finished(switchyard_policies::FinishReason),
 }
 
@@ -1213,7 +1217,8 @@ impl<'a> Loop<'a> {
     /// Handles the LoRA event at `t`: the loader's load ending (first), else a request asking
     /// for its adapter; the requests that get their adapter go on to the scheduler's queue
     /// (or their refusal) at the time they got it, and those their tenant's full share of
-    /// adapter memory refuses end then (`tenant_busy`). Returns how many were refused.
+    /// adapter memory refuses end then (`tenant_busy`), as do those a full registry refuses
+    /// (`unavailable`). Returns how many were refused.
     fn on_lora_event(&mut self, t: u64) -> usize {
         let Some(memory) = self.memory.as_mut() else {
             return 0;
@@ -1235,11 +1240,18 @@ impl<'a> Loop<'a> {
                 }
             }
         }
-        for &(at, i) in &answers.refused {
+        let refusals = answers.refused.iter().map(|r| (r, Outcome::TenantBusy));
+        let refusals = refusals.chain(
+            answers
+                .unavailable
+                .iter()
+                .map(|r| (r, Outcome::Unavailable)),
+        );
+        for (&(at, i), outcome) in refusals {
             // Refused for want of room before queueing: the server gives back its one from
             // the requests budget, as for a refusal at arrival.
             self.give_back_request(i);
-            self.tracks[i].outcome = Outcome::TenantBusy;
+            self.tracks[i].outcome = outcome;
             self.give_back_seat(i);
             self.ended(i, at);
         }
@@ -1253,7 +1265,7 @@ impl<'a> Loop<'a> {
                 self.front_end.insert((at, i));
             }
         }
-        let refused = answers.refused.len();
+        let refused = answers.refused.len() + answers.unavailable.len();
         self.answers = answers;
         refused
     }
@@ -1693,6 +1705,7 @@ fn record(
             Outcome::RateLimited => "rate_limited".into(),
             Outcome::Overloaded => crate::report::OVERLOADED.into(),
             Outcome::TenantBusy => crate::report::TENANT_BUSY.into(),
+            Outcome::Unavailable => crate::report::UNAVAILABLE.into(),
             Outcome::Finished(reason) => reason.as_str().into(),
         },
         preemptions: t.preemptions,

@@ -21,6 +21,7 @@ pub mod front_end;
 mod in_flight;
 pub mod lora_cost;
 pub mod lora_memory;
+pub mod lora_registry;
 pub mod outputs;
 pub mod plot;
 pub mod progress;
@@ -201,6 +202,20 @@ pub fn simulate(
         .and_then(|m| unused_pinned(&m.pinned, requests))
     {
         warnings.push(w);
+    }
+    if let Some(m) = spec
+        .scheduler
+        .lora_memory
+        .as_ref()
+        .filter(|m| m.max_adapters < m.max_cpu_loras)
+    {
+        warnings.push(format!(
+            "scheduler.lora_memory.max_adapters {} is below max_cpu_loras {}: only registered \
+             adapters are in memory, so memory holds at most {} adapters (as the server's \
+             lora.max_adapters bounds its lora.max_cpu_loras), and requests for more \
+             adapters in use at once are refused (unavailable)",
+            m.max_adapters, m.max_cpu_loras, m.max_adapters
+        ));
     }
     if let cost::CostModel::Calibrated(c) = &sim.cost {
         if let Some(w) = beyond_calibration(c, requests, sim.model.sliding_window) {

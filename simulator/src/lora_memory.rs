@@ -46,9 +46,12 @@
 //! At the start only the pinned adapters are in memory (the server loads them as it
 //! registers them); every other adapter is loaded on its first request, as the server loads
 //! one found in `lora.adapter_dirs`, or one of `lora.adapters` evicted at start (charged to
-//! its request's tenant either way, as the server charges a reload). What the model leaves
-//! out: the registry's own bound (`lora.max_adapters`, which unregisters found adapters to
-//! make room for others, each found again at the cost of one load), and a request's name
+//! its request's tenant either way, as the server charges a reload). The registry's bound
+//! (`lora.max_adapters`) is modelled beside memory ([`crate::lora_registry`]): an adapter not
+//! in memory is registered as it is read (a found adapter unregistered for it when the
+//! registry is full), or refused (`unavailable`, the server's 503) when the registry is full
+//! of adapters in use or pinned; an adapter evicted but still registered is only read again.
+//! What the model leaves out: a request's name
 //! check in `lora.adapter_dirs` before the front end (a look at the directories that reads
 //! nothing: the load is the one modelled here). Loads never fail here: every adapter's files
 //! are taken to be sound. On the server, files a load would refuse for their configuration or
@@ -57,6 +60,8 @@
 //! finite, files changed in between) leaves the room it made free.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::lora_registry::Registry;
 
 /// Most adapters `max_cpu_loras` may keep (the server's bound on `lora.max_cpu_loras`).
 pub const MAX_CPU_LORAS: usize = 4096;
@@ -85,6 +90,9 @@ pub struct MemoryConfig {
     pub pinned: BTreeSet<u32>,
     /// Time to read one adapter from its files, in microseconds.
     pub load_us: u64,
+    /// Most adapters registered at once, the pinned ones included (`lora.max_adapters`,
+    /// [`crate::lora_registry`]).
+    pub max_adapters: usize,
 }
 
 /// The tenant a load is charged to (its id in [`LoraMemory`]'s table) and the share of its
@@ -120,6 +128,12 @@ struct Load {
     req: usize,
     /// Who it is charged to.
     charge: Charge,
+    /// The adapter is not registered: it is registered once read, a found adapter
+    /// unregistered for it when the registry is full.
+    registers: bool,
+    /// The found adapter chosen to be unregistered for it before the read (dropped from
+    /// memory then), if one was.
+    unregisters: Option<u32>,
 }
 
 /// Where a tenant's share stands before one more load.
@@ -137,21 +151,26 @@ enum ShareRoom {
     Full,
 }
 
-/// What the memory answered, at the times it did: the requests that got their adapter and
-/// those refused by their tenant's full share (`tenant_busy`).
+/// What the memory answered, at the times it did: the requests that got their adapter, those
+/// refused by their tenant's full share (`tenant_busy`) and those refused by a full registry
+/// (`unavailable`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Answers {
     /// (time, request) of the requests that now hold their adapter.
     pub served: Vec<(u64, usize)>,
-    /// (time, request) of the requests refused.
+    /// (time, request) of the requests refused by their tenant's share (the server's 429).
     pub refused: Vec<(u64, usize)>,
+    /// (time, request) of the requests refused because their adapter was not registered and
+    /// the registry was full of adapters that could not go (the server's 503).
+    pub unavailable: Vec<(u64, usize)>,
 }
 
 impl Answers {
-    /// Empties both lists.
+    /// Empties the lists.
     pub fn clear(&mut self) {
         self.served.clear();
         self.refused.clear();
+        self.unavailable.clear();
     }
 }
 
@@ -169,6 +188,12 @@ pub struct MemoryCounters {
     /// Adapters whose charge moved to a tenant whose requests used them, to make room in the
     /// share of the tenant charged (whose requests did not).
     pub share_transfers: u64,
+    /// Found adapters unregistered to make room in the full registry for another (those in
+    /// memory then dropped from it, and counted in `evictions` too).
+    pub unregistrations: u64,
+    /// Requests refused because their adapter was not registered and the registry was full
+    /// of adapters in use or pinned (`unavailable`).
+    pub registry_refusals: u64,
 }
 
 /// The adapters in memory and the manager's thread.
@@ -185,6 +210,8 @@ pub struct LoraMemory {
     /// The tenant each adapter in memory is charged to, with the share of the tier it was
     /// charged under (pinned ones are no tenant's).
     owner: BTreeMap<u32, Charge>,
+    /// The registered adapters (`max_adapters`).
+    registry: Registry,
     /// Tenants' ids, by name.
     tenants: BTreeMap<String, u32>,
     /// The registry's clock.
@@ -214,6 +241,7 @@ impl LoraMemory {
             })
             .collect();
         LoraMemory {
+            registry: Registry::new(config.max_adapters, config.pinned.len()),
             config,
             resident,
             in_use: BTreeMap::new(),
@@ -253,6 +281,11 @@ impl LoraMemory {
     /// The adapters some request holds, in id order.
     pub fn in_use(&self) -> Vec<u32> {
         self.in_use.keys().copied().collect()
+    }
+
+    /// The adapters registered on a request (the pinned ones aside), in id order.
+    pub fn registered(&self) -> Vec<u32> {
+        self.registry.found()
     }
 
     /// Request `req` of `tenant` asks for `adapter` at `now` (its prompt encoded), its tier's
@@ -325,11 +358,17 @@ impl LoraMemory {
         };
         self.loading = None;
         self.counters.loads += 1;
-        // Room in the share is made once the adapter has been read.
+        // Room in the share, then in the registry, is made once the adapter has been read.
         if !self.make_share_room(load.charge) {
             self.counters.share_refusals += 1;
             out.refused.push((load.end, load.req));
+        } else if load.registers && !self.make_registry_room(load.unregisters) {
+            self.counters.registry_refusals += 1;
+            out.unavailable.push((load.end, load.req));
         } else {
+            if load.registers {
+                self.registry.register(load.adapter);
+            }
             self.owner.insert(load.adapter, load.charge);
             self.take(load.adapter, load.charge);
             out.served.push((load.end, load.req));
@@ -365,16 +404,21 @@ impl LoraMemory {
                     self.evict();
                     out.served.push((at, req));
                 }
+                // Not registered (found in a directory, registered as it is read): refused
+                // before anything else when the registry is full of adapters that cannot go
+                // (the server's `register_held`, before the share's check).
+                Message::Resolve { adapter, req, .. }
+                    if !self.registry.has_found(adapter)
+                        && self.registry.is_full()
+                        && self.registry_victim().is_none() =>
+                {
+                    self.counters.registry_refusals += 1;
+                    self.evict();
+                    out.unavailable.push((at, req));
+                }
                 // Refused before the read: the tenant's share is full of adapters that no
                 // step of `make_share_room` can move or drop.
                 Message::Resolve { req, charge, .. } if !self.share_fits(charge) => {
-                    self.counters.share_refusals += 1;
-                    self.evict();
-                    out.refused.push((at, req));
-                }
-                // Room made before the read when memory is full (the server's
-                // `make_read_room`); refused should the share have filled since the check.
-                Message::Resolve { req, charge, .. } if !self.make_read_room(charge) => {
                     self.counters.share_refusals += 1;
                     self.evict();
                     out.refused.push((at, req));
@@ -384,6 +428,15 @@ impl LoraMemory {
                     req,
                     charge,
                 } => {
+                    let registers = !self.registry.has_found(adapter);
+                    // Room made before the read when memory is full (the server's
+                    // `make_read_room`); refused should the share have filled since the check.
+                    let Some(unregisters) = self.make_read_room(charge, registers) else {
+                        self.counters.share_refusals += 1;
+                        self.evict();
+                        out.refused.push((at, req));
+                        continue;
+                    };
                     #[cfg(test)]
                     self.note_read_start();
                     self.loading = Some(Load {
@@ -391,6 +444,8 @@ impl LoraMemory {
                         adapter,
                         req,
                         charge,
+                        registers,
+                        unregisters,
                     });
                 }
             }
@@ -530,19 +585,62 @@ impl LoraMemory {
     /// Makes room for an adapter about to be read, as the server's `make_read_room` does, so
     /// that the adapters in memory and the one being read are at most `max_cpu_loras`: once
     /// memory is full, the tenant's share makes its room first (before the read, where it is
-    /// otherwise made once the adapter has been read), then the least recently used adapters
-    /// that no request holds go as [`Self::evict`] drops them; adapters in use and pinned
-    /// ones stay, and the read goes ahead all the same. `false`: the share could not make
-    /// room (the request is refused).
-    fn make_read_room(&mut self, charge: Charge) -> bool {
-        if self.resident.len() < self.config.max_cpu_loras {
-            return true;
+    /// otherwise made once the adapter has been read), then, for an adapter to be registered
+    /// (`registers`) into a full registry, the found adapter it will unregister is chosen
+    /// and dropped from memory (returned: it is unregistered once the read ends), then the
+    /// least recently used adapters that no request holds go as [`Self::evict`] drops them;
+    /// adapters in use and pinned ones stay, and the read goes ahead all the same. `None`:
+    /// the share could not make room (the request is refused).
+    fn make_read_room(&mut self, charge: Charge, registers: bool) -> Option<Option<u32>> {
+        let max = self.config.max_cpu_loras;
+        if self.resident.len() < max {
+            return Some(None);
         }
         if !self.make_share_room(charge) {
-            return false;
+            return None;
         }
-        self.evict_to(self.config.max_cpu_loras.saturating_sub(1));
+        let mut unregisters = None;
+        if registers && self.resident.len() >= max && self.registry.is_full() {
+            unregisters = self.registry_victim();
+            if let Some(victim) = unregisters {
+                self.drop_from_memory(victim);
+            }
+        }
+        self.evict_to(max.saturating_sub(1));
+        Some(unregisters)
+    }
+
+    /// The found adapter a registration into the full registry unregisters next (the least
+    /// recently used that no request holds, those not in memory first), if any can go.
+    fn registry_victim(&self) -> Option<u32> {
+        self.registry.victim(&self.resident, &self.in_use)
+    }
+
+    /// Makes room in the registry for one more adapter, just read, as the server's
+    /// `make_room` does: while it is full, `first` (the adapter chosen before the read, if it
+    /// can still go), else [`Self::registry_victim`], is unregistered (dropped from memory
+    /// too); `false` (the request refused) when none can go.
+    fn make_registry_room(&mut self, mut first: Option<u32>) -> bool {
+        while self.registry.is_full() {
+            let first = first
+                .take()
+                .filter(|&f| self.registry.can_go(f, &self.resident, &self.in_use));
+            let Some(victim) = first.or_else(|| self.registry_victim()) else {
+                return false;
+            };
+            self.registry.unregister(victim);
+            self.drop_from_memory(victim);
+            self.counters.unregistrations += 1;
+        }
         true
+    }
+
+    /// Drops `adapter` from memory (and its charge) if it is there, counting an eviction.
+    fn drop_from_memory(&mut self, adapter: u32) {
+        if self.resident.remove(&adapter).is_some() {
+            self.owner.remove(&adapter);
+            self.counters.evictions += 1;
+        }
     }
 
     /// Records what memory holds as a read starts: the adapters in memory and whether one of
@@ -595,10 +693,16 @@ mod tests {
     const LOAD: u64 = 1_000;
 
     fn memory(max: usize, pinned: &[u32]) -> LoraMemory {
+        registry_of(max, pinned, crate::lora_registry::MAX_ADAPTERS)
+    }
+
+    /// [`memory`] with a registry of at most `max_adapters` adapters.
+    fn registry_of(max: usize, pinned: &[u32], max_adapters: usize) -> LoraMemory {
         LoraMemory::new(MemoryConfig {
             max_cpu_loras: max,
             pinned: pinned.iter().copied().collect(),
             load_us: LOAD,
+            max_adapters,
         })
     }
 
@@ -771,6 +875,7 @@ mod tests {
                 share_evictions: 1,
                 share_refusals: 0,
                 share_transfers: 0,
+                ..MemoryCounters::default()
             }
         );
         // In a tier without a share, a's load drops nothing, yet is charged to a: its next
@@ -823,6 +928,7 @@ mod tests {
                 share_evictions: 1,
                 share_refusals: 2,
                 share_transfers: 0,
+                ..MemoryCounters::default()
             }
         );
     }
@@ -889,6 +995,7 @@ mod tests {
                 share_evictions: 0,
                 share_refusals: 2,
                 share_transfers: 1,
+                ..MemoryCounters::default()
             }
         );
     }
@@ -1037,17 +1144,21 @@ mod tests {
         /// adapters held and pinned, and as each read starts, at most `max_cpu_loras` with the
         /// one being read, unless all are held or pinned; pinned and held adapters are always
         /// in memory; no tenant has more adapters charged to it than its share; every request
-        /// is served or refused once, refused only with a share.
+        /// is served or refused once, refused by the share only with a share; the registry
+        /// holds at most `max_adapters`, every adapter in memory among them, and refuses
+        /// only while full.
         #[test]
         fn memory_stays_within_its_bound(
             max in 0usize..5,
+            max_adapters in 1usize..7,
             pinned in proptest::collection::btree_set(0u32..12, 0..3),
             shares in proptest::collection::vec(proptest::option::of(1usize..3), 3),
             ops in proptest::collection::vec(op(), 1..200),
         ) {
             let names = ["t0", "t1", "t2"];
-            let pinned: Vec<u32> = pinned.into_iter().take(max).collect();
-            let mut m = memory(max, &pinned);
+            let pinned: Vec<u32> = pinned.into_iter().take(max.min(max_adapters)).collect();
+            let mut m = registry_of(max, &pinned, max_adapters);
+            let mut unavailable = 0;
             let mut now = 0;
             let mut next_req = 0;
             let mut asked: BTreeMap<usize, u32> = BTreeMap::new();
@@ -1130,6 +1241,20 @@ mod tests {
                     refusals += 1;
                 }
                 prop_assert_eq!(m.counters().share_refusals, refusals);
+                for &(at, req) in &out.unavailable {
+                    prop_assert!(at <= now && answered.insert(req));
+                    // Refused by a full registry; its adapter was not registered then.
+                    prop_assert!(m.registry.is_full());
+                    unavailable += 1;
+                }
+                prop_assert_eq!(m.counters().registry_refusals, unavailable);
+                prop_assert!(m.registry.len() <= max_adapters);
+                for a in m.resident.keys() {
+                    prop_assert!(
+                        pinned.contains(a) || m.registry.has_found(*a),
+                        "{a} in memory, not registered"
+                    );
+                }
                 for (t, share) in shares.iter().enumerate() {
                     // A tenant's own loads stay within its share; it is charged beyond it
                     // only for adapters whose charge moved to it.

@@ -51,7 +51,7 @@ pub struct RequestRecord {
     /// Time it finished.
     pub finish_s: Option<f64>,
     /// Finish reason (`length`, `stop`, `queue_timeout`, ...), `rejected`, `rate_limited`,
-    /// `overloaded`, `tenant_busy` or `unfinished`.
+    /// `overloaded`, `tenant_busy`, `unavailable` or `unfinished`.
     pub outcome: String,
     /// Times it was preempted.
     pub preemptions: u64,
@@ -191,6 +191,9 @@ pub struct TierSummary {
     /// `max_cpu_loras_per_tenant` (`tenant_busy`).
     #[serde(default)]
     pub tenant_busy: u64,
+    /// Of which refused by a LoRA registry full of adapters in use (`unavailable`).
+    #[serde(default)]
+    pub unavailable: u64,
     /// The tier's TTFT target in ms (`tiers.<name>.ttft_ms`; `None`: no target).
     #[serde(default)]
     pub ttft_target_ms: Option<f64>,
@@ -265,6 +268,11 @@ pub struct PolicySummary {
     /// (`tiers.<name>.max_cpu_loras_per_tenant`): the server's 429, reason `tenant_busy`.
     #[serde(default)]
     pub tenant_busy: u64,
+    /// Requests refused as they asked for their adapter, not registered, by a registry full
+    /// of adapters in use or pinned (`scheduler.lora_memory.max_adapters`, the server's
+    /// `lora.max_adapters`): the server's 503, reason `unavailable`.
+    #[serde(default)]
+    pub unavailable: u64,
     /// Requests sent per second in this run, over the span from the first sending to the
     /// last: the trace's arrival rate, unless closed-loop clients sent their requests later
     /// (each once the one before it ended).
@@ -391,6 +399,18 @@ pub struct LoraMemorySummary {
     /// share of the tenant charged (0 in a summary written before charges moved).
     #[serde(default)]
     pub share_transfers: u64,
+    /// Most adapters registered at once (`max_adapters`; 0 in a summary written before the
+    /// registry was modelled).
+    #[serde(default)]
+    pub max_adapters: u64,
+    /// Adapters found on a request unregistered to make room for another in the full
+    /// registry (each found, and read, again on its next request).
+    #[serde(default)]
+    pub unregistrations: u64,
+    /// Requests refused (`unavailable`, counted there too) because their adapter was not
+    /// registered and the registry was full of adapters in use or pinned.
+    #[serde(default)]
+    pub registry_refusals: u64,
     /// Requests that named an adapter, left the front end and got it (those refused by
     /// their tenant's share aside).
     pub adapter_requests: u64,
@@ -427,6 +447,9 @@ impl LoraMemorySummary {
             share_evictions: counters.share_evictions,
             share_refusals: counters.share_refusals,
             share_transfers: counters.share_transfers,
+            max_adapters: config.max_adapters as u64,
+            unregistrations: counters.unregistrations,
+            registry_refusals: counters.registry_refusals,
             adapter_requests: waits.len() as u64,
             waited: waited.len() as u64,
             wait_ms: LatencyStats::from_values(&mut waited),
@@ -484,6 +507,7 @@ impl PolicySummary {
                 .count() as u64,
             overloaded: records.iter().filter(|r| r.outcome == OVERLOADED).count() as u64,
             tenant_busy: records.iter().filter(|r| r.outcome == TENANT_BUSY).count() as u64,
+            unavailable: records.iter().filter(|r| r.outcome == UNAVAILABLE).count() as u64,
             // Set by `crate::simulate`, which computes the trace's rates alike.
             offered_rate: 0.0,
             offered_peak_rate: None,
@@ -557,6 +581,7 @@ fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSumma
         queue_timeout: rs.iter().filter(|r| r.outcome == QUEUE_TIMEOUT).count() as u64,
         overloaded: rs.iter().filter(|r| r.outcome == OVERLOADED).count() as u64,
         tenant_busy: rs.iter().filter(|r| r.outcome == TENANT_BUSY).count() as u64,
+        unavailable: rs.iter().filter(|r| r.outcome == UNAVAILABLE).count() as u64,
         // Filled in from the spec's tiers by `PolicySummary::set_tier_targets`.
         ttft_target_ms: None,
         tpot_target_ms: None,
@@ -577,6 +602,9 @@ pub const QUEUE_TIMEOUT: &str = "queue_timeout";
 pub const OVERLOADED: &str = "overloaded";
 /// The outcome of a request refused at arrival by its tier's `max_pending_per_tenant`.
 pub const TENANT_BUSY: &str = "tenant_busy";
+/// The outcome of a request refused as it asked for its adapter by a full LoRA registry
+/// (`lora_memory.max_adapters`).
+pub const UNAVAILABLE: &str = "unavailable";
 
 /// `Comparison::arrival_rate_of` when the rates count when the requests were sent.
 pub const RATE_OF_SENT: &str = "sent";
@@ -705,7 +733,7 @@ impl Comparison {
             s,
             "slo% and goodput count the requests whose tier sets a ttft_ms or tpot_ms target \
              (n/a: none has one); rejected, rate-limited, queue-timed-out, refused \
-             (overloaded, tenant_busy) and unfinished ones miss"
+             (overloaded, tenant_busy, unavailable) and unfinished ones miss"
         );
         let _ = writeln!(
             s,
@@ -755,7 +783,7 @@ impl Comparison {
         }
         type Count = fn(&PolicySummary) -> u64;
         type TierCount = fn(&TierSummary) -> u64;
-        let refusals: [(Count, TierCount, &str); 4] = [
+        let refusals: [(Count, TierCount, &str); 5] = [
             (
                 |p| p.rate_limited,
                 |t| t.rate_limited,
@@ -779,6 +807,13 @@ impl Comparison {
                 |t| t.tenant_busy,
                 "refused at arrival, their tenant at its tier's max_pending_per_tenant (the \
                  server answers them 429 rate_limit_exceeded)",
+            ),
+            (
+                |p| p.unavailable,
+                |t| t.unavailable,
+                "refused as they asked for their LoRA adapter, not registered, the registry \
+                 full (lora_memory.max_adapters) of adapters in use or pinned (the server \
+                 answers them 503 unavailable)",
             ),
         ];
         for (count, tier_count, what) in refusals {
@@ -866,8 +901,10 @@ impl Comparison {
                 s,
                 "{}: LoRA memory (max_cpu_loras {}, {} pinned, {} ms a load from {}): {} loads, {} \
                  evictions ({} to make room in a tenant's share), {} requests refused by a \
-                 tenant's full share, {} charges moved to a tenant using the adapter; {} of {} adapter requests waited for a load (wait p50 {} p99 {}); \
-                 ttft p50/p99 pinned {}/{}, not pinned {}/{}",
+                 tenant's full share, {} charges moved to a tenant using the adapter; registry \
+                 (max_adapters {}): {} adapters unregistered to make room, {} requests refused \
+                 by a full registry; {} of {} adapter requests waited for a load (wait p50 {} \
+                 p99 {}); ttft p50/p99 pinned {}/{}, not pinned {}/{}",
                 p.policy,
                 m.max_cpu_loras,
                 m.pinned,
@@ -878,6 +915,9 @@ impl Comparison {
                 m.share_evictions,
                 m.share_refusals,
                 m.share_transfers,
+                m.max_adapters,
+                m.unregistrations,
+                m.registry_refusals,
                 m.waited,
                 m.adapter_requests,
                 fmt_ms(m.wait_ms.p50, 1),

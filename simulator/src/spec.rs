@@ -19,6 +19,7 @@
 //! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: 8192 }
 //!   # lora: { rank: 16, targets: all }  # the adapters trace records name, for the roofline
 //!   # lora_memory: { max_cpu_loras: 8, pinned: [1, 2], load_ms: 40 }  # adapters in host memory
+//!   #   (and max_adapters: 64, the registry's size, as the server's lora.max_adapters)
 //! policies: [ { name: fcfs }, { name: slo-aware, params: {} } ]
 //! tiers:
 //!   premium: { ttft_ms: 500, tpot_ms: 50, weight: 4, priority: 0 }
@@ -368,10 +369,23 @@ pub struct LoraMemorySpec {
     /// `lora_load_ms` (`switchyard calibrate --lora` measures it); one of them is needed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load_ms: Option<f64>,
+    /// Most adapters registered at once (the server's `lora.max_adapters`, default 64, 1 to
+    /// 4,096): the pinned ones from the start, and every other adapter from its first request
+    /// (as one found in `lora.adapter_dirs`) until it is unregistered to make room for another
+    /// ([`crate::lora_registry`]). Only registered adapters are in memory, so below
+    /// `max_cpu_loras` it bounds memory; a request for an adapter not registered while the
+    /// registry is full of adapters in use (or pinned) is refused (`unavailable`, the server's
+    /// 503).
+    #[serde(default = "default_max_adapters")]
+    pub max_adapters: usize,
 }
 
 fn default_max_cpu_loras() -> usize {
     8
+}
+
+fn default_max_adapters() -> usize {
+    crate::lora_registry::default_max_adapters()
 }
 
 /// Speculative decoding as the simulator models it: decode steps carry up to
@@ -409,12 +423,28 @@ impl LoraMemorySpec {
                 self.max_cpu_loras
             ));
         }
+        let max_adapters = crate::lora_registry::MAX_ADAPTERS;
+        if !(1..=max_adapters).contains(&self.max_adapters) {
+            return Err(format!(
+                "scheduler.lora_memory.max_adapters {} outside 1..={max_adapters} (the server's \
+                 bound)",
+                self.max_adapters
+            ));
+        }
         if self.pinned.len() > self.max_cpu_loras {
             return Err(format!(
                 "scheduler.lora_memory.pinned: {} adapters, but at most max_cpu_loras ({}) \
                  may be pinned in memory (the server refuses more)",
                 self.pinned.len(),
                 self.max_cpu_loras
+            ));
+        }
+        if self.pinned.len() > self.max_adapters {
+            return Err(format!(
+                "scheduler.lora_memory.pinned: {} adapters, but at most max_adapters ({}) \
+                 may be registered (the server refuses more)",
+                self.pinned.len(),
+                self.max_adapters
             ));
         }
         for (i, a) in self.pinned.iter().enumerate() {
@@ -2068,8 +2098,8 @@ workload:
         .unwrap();
         let m = s.scheduler.lora_memory.unwrap();
         assert_eq!(
-            (m.max_cpu_loras, m.pinned.len(), m.load_ms),
-            (8, 0, Some(40.0))
+            (m.max_cpu_loras, m.pinned.len(), m.load_ms, m.max_adapters),
+            (8, 0, Some(40.0), 64)
         );
         let a = s.workload.adapters.unwrap();
         assert_eq!(
@@ -2090,6 +2120,21 @@ workload:
                     "",
                 ),
                 "scheduler.lora_memory.pinned: 3 adapters, but at most max_cpu_loras (2)",
+            ),
+            (
+                with("lora_memory: {max_adapters: 0, load_ms: 1}", ""),
+                "scheduler.lora_memory.max_adapters 0 outside 1..=4096",
+            ),
+            (
+                with("lora_memory: {max_adapters: 4097, load_ms: 1}", ""),
+                "scheduler.lora_memory.max_adapters 4097 outside 1..=4096",
+            ),
+            (
+                with(
+                    "lora_memory: {max_adapters: 1, pinned: [1, 2], load_ms: 1}",
+                    "",
+                ),
+                "scheduler.lora_memory.pinned: 2 adapters, but at most max_adapters (1)",
             ),
             (
                 with("lora_memory: {pinned: [4, 5, 4], load_ms: 1}", ""),
