@@ -825,6 +825,17 @@ fn to_mix(m: &BTreeMap<String, f64>) -> LabelMix {
     }
 }
 
+/// A YAML file's parse error at `path`, located, with a "did you mean" hint for a misspelt
+/// field or choice (`polices:`, `format: azur`), as a server configuration's.
+fn yaml_error(path: &Path, e: &serde_yaml::Error) -> SimError {
+    SimError::Spec {
+        path: path.to_path_buf(),
+        line: e.location().map(|l| l.line()),
+        column: e.location().map(|l| l.column()),
+        message: switchyard_config::with_did_you_mean(&e.to_string()),
+    }
+}
+
 impl SimulationSpec {
     /// Parses and validates a YAML spec; relative paths become relative to the file's directory.
     pub fn from_yaml_file(path: &Path) -> Result<Self, SimError> {
@@ -854,12 +865,8 @@ impl SimulationSpec {
                  config/examples/sim-*.yaml)",
             ));
         }
-        let mut spec: SimulationSpec = serde_yaml::from_str(text).map_err(|e| SimError::Spec {
-            path: path.to_path_buf(),
-            line: e.location().map(|l| l.line()),
-            column: e.location().map(|l| l.column()),
-            message: e.to_string(),
-        })?;
+        let mut spec: SimulationSpec =
+            serde_yaml::from_str(text).map_err(|e| yaml_error(path, &e))?;
         spec.validate().map_err(|m| SimError::spec(path, m))?;
         spec.check_policies(text, path)?;
         spec.source = path.to_path_buf();
@@ -908,12 +915,7 @@ impl SimulationSpec {
             tiers: BTreeMap<String, TierConf>,
         }
         let text = read_text(path, MAX_SPEC_BYTES)?;
-        let file: TiersOnly = serde_yaml::from_str(&text).map_err(|e| SimError::Spec {
-            path: path.to_path_buf(),
-            line: e.location().map(|l| l.line()),
-            column: e.location().map(|l| l.column()),
-            message: e.to_string(),
-        })?;
+        let file: TiersOnly = serde_yaml::from_str(&text).map_err(|e| yaml_error(path, &e))?;
         if file.tiers.is_empty() {
             return Err(SimError::spec(
                 path,
@@ -1485,6 +1487,41 @@ workload:
 
     fn parse(text: &str) -> Result<SimulationSpec, SimError> {
         SimulationSpec::from_yaml_str(text, Path::new("sim.yaml"))
+    }
+
+    #[test]
+    fn a_misspelt_field_or_choice_is_named_with_the_nearest() {
+        let cases = [
+            (
+                GOOD.replace("policies:", "polices:"),
+                4,
+                "unknown field `polices`",
+                "policies",
+            ),
+            (
+                GOOD.replace("format: azure", "format: azrue"),
+                10,
+                "unknown variant `azrue`",
+                "azure",
+            ),
+        ];
+        for (text, line, want, nearest) in cases {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(err.starts_with(&format!("sim.yaml:{line}:")), "{err}");
+            assert!(err.contains(want), "{err}");
+            assert!(
+                err.contains(&format!("(did you mean `{nearest}`?)")),
+                "{err}"
+            );
+        }
+        // Nothing near: serde's message as it is.
+        let err = parse(&GOOD.replace("seed: 3", "colour: 3"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("unknown field `colour`") && !err.contains("did you mean"),
+            "{err}"
+        );
     }
 
     #[test]
