@@ -818,19 +818,25 @@ impl Comparison {
         ];
         for (count, tier_count, what) in refusals {
             for p in self.policies.iter().filter(|p| count(p) > 0) {
+                // By tier, where the run has named tiers (an untiered run's one tier has
+                // no name).
                 let by_tier: Vec<String> = p
                     .tiers
                     .iter()
-                    .filter(|t| tier_count(t) > 0)
+                    .filter(|t| tier_count(t) > 0 && !t.tier.is_empty())
                     .map(|t| format!("{} {}", t.tier, tier_count(t)))
                     .collect();
+                let by_tier = if by_tier.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", by_tier.join(", "))
+                };
                 let _ = writeln!(
                     s,
-                    "{}: {} of {} requests {what}: {}",
+                    "{}: {} of {} requests {what}{by_tier}",
                     p.policy,
                     count(p),
                     p.requests,
-                    by_tier.join(", ")
                 );
             }
         }
@@ -1171,6 +1177,29 @@ mod tests {
                  premium 2"
             ),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn an_untiered_runs_refusals_have_no_tier_list() {
+        let limited = |arrival: f64| RequestRecord {
+            outcome: RATE_LIMITED.into(),
+            ..rec2("", arrival, None, None, None)
+        };
+        let rs = vec![rec2("", 0.0, Some(1.0), None, None), limited(1.0)];
+        let s = PolicySummary::new("fcfs", &rs, &mut [], RunCounters::default());
+        let text = Comparison {
+            policies: vec![s],
+            ..Default::default()
+        }
+        .to_text();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("fcfs: 1 of 2"))
+            .unwrap();
+        assert!(
+            line.ends_with("(the server answers them 429 rate_limit_exceeded)"),
+            "{line}"
         );
     }
 
