@@ -34,8 +34,23 @@
 //! only along drafts goes with them: the matcher is rebuilt from the tokens before the drafts
 //! (it cannot take tokens back once failed), and the failure is the request's only should the
 //! same tokens be kept, so the outcome is that of one token per step. A limit of llguidance's
-//! lexer (its states, its fuel) stays a failure: its automaton is shared by every copy of the
-//! matcher and stays in error. The CPU backend commits only sampled tokens.
+//! lexer (its states, counted over the whole output; its fuel for one step) is reached in an
+//! automaton that every copy of a matcher shares (`Matcher::clone`; only
+//! [`Matcher::deep_clone`] copies it), that stays in error once it is, and that keeps the
+//! states built for drafts taken back. So each constraint keeps the compile's matcher, never
+//! advanced, whose deep copy starts a lexer of its own; after a lexer limit that drafts may
+//! have caused (reached along drafts, or while the lexer holds states of drafts taken back),
+//! the constraint replays one token per step on such a copy (the tokens kept, the mask
+//! before each, which builds states too), and fails only where that fails: the same tokens,
+//! sets and failure as one token per step. A replay costs about what the masks so far did
+//! (4,000 tokens: 4 ms for a JSON schema, 105 ms for an exponential regex); replays coming
+//! faster than the output doubles make the constraint send its drafts through a deep copy
+//! of the matcher instead (its lexer never sees them), which costs per draft step about what
+//! the lexer holds (0.1 ms for that JSON schema, 5 ms for that regex at 4,000 tokens, 95 ms
+//! near the 250,000 states of the default limit): see `GrammarConstraint::replayed`. One
+//! difference stays: a lexer warmed by drafts taken back spends less fuel on states it built
+//! for them, so a step that one token per step fails for its fuel may pass (never the other
+//! way). The CPU backend commits only sampled tokens.
 //!
 //! Grammars compile on a [`CompilePool`] of their own ([`LazyGrammarCompiler::compile_then`]),
 //! never on the threads that encode prompts, and the work of one compile is bounded: by
@@ -53,7 +68,7 @@ use llguidance::earley::ParserError;
 use llguidance::{Matcher, ParserFactory};
 use switchyard_gpu::model::Tokenizer;
 use switchyard_gpu::{Constraint, TokenConstraint};
-use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 
 use crate::metric_names as names;
 use crate::productive::check_finite_sentence;
@@ -716,11 +731,15 @@ impl GrammarCompiler {
         metrics::histogram!(names::STRUCTURED_COMPILE).record(t0.elapsed().as_secs_f64());
         metrics::counter!(names::STRUCTURED_REQUESTS, "kind" => spec.kind()).increment(1);
         let end_ids: Arc<[u32]> = end_ids.into();
+        // Each choice's matcher has a lexer of its own; this one is never advanced again
+        // (`GrammarConstraint::pristine`).
+        let pristine = Arc::new(matcher);
         Ok((0..n)
             .map(|_| {
                 Constraint::new(GrammarConstraint::new(
-                    matcher.deep_clone(),
+                    pristine.deep_clone(),
                     end_ids.clone(),
+                    pristine.clone(),
                 ))
             })
             .collect())
@@ -1078,6 +1097,11 @@ struct GrammarConstraint {
     /// cache of states only grows), from which the state before drafts is rebuilt should they
     /// fail it (see [`TokenConstraint::rollback`] below).
     origin: Matcher,
+    /// The compile's matcher, never advanced after the compile: a deep copy of it is a matcher
+    /// before the first token with a lexer of its own, holding only the states the compile
+    /// built, from which [`replay`] rebuilds the state of one token per step after a limit of
+    /// the lexer (shared by `matcher` and `origin`, and left in error once reached).
+    pristine: Arc<Matcher>,
     /// The tokens the matcher consumed, in order (at most the request's `max_tokens`).
     consumed: Vec<u32>,
     /// While drafts are committed ([`TokenConstraint::begin_drafts`]): the state before them.
@@ -1085,13 +1109,30 @@ struct GrammarConstraint {
     /// A failure that drafts led to, taken back with them; the constraint's own should the
     /// same tokens be committed.
     pending: Option<PendingFailure>,
+    /// Whether the lexer of `matcher` holds states built for drafts that were taken back
+    /// (drafts that went through `matcher` itself): one token per step would not have built
+    /// them, so a limit of the lexer reached now may be theirs ([`GrammarConstraint::recheck`]).
+    polluted: bool,
+    /// Whether drafts go through a copy of the matcher ([`Drafts::saved`]), so that the lexer
+    /// of `matcher` holds what one token per step builds, no more: set for the rest of the
+    /// sequence when a [`replay`] comes less than twice as far into the output as the one
+    /// before it (see [`GrammarConstraint::replayed`]).
+    isolated: bool,
+    /// How many tokens the last [`replay`] from a fresh lexer went through.
+    replayed_at: Option<usize>,
+    /// Whether the mask where `matcher` stands was computed. One token per step computes the
+    /// mask before each token, which builds lexer states of its own; where commits come
+    /// without one (the accepted drafts, committed again after they were taken back) while
+    /// the lexer is to hold what one token per step builds (isolated, or not polluted), the
+    /// mask is computed before the token is consumed.
+    masked: bool,
 }
 
 /// A [`GrammarConstraint`]'s state before its drafts, to go back to should they lead to a
 /// failure (a failed llguidance matcher cannot take tokens back). It holds no copy of the
-/// matcher: a copy takes the parser's whole history (about 0.1 ms per step at 4,000 tokens of
-/// JSON), where rebuilding it from [`GrammarConstraint::origin`] (about 2 ms at 4,000) happens
-/// only after such a failure.
+/// matcher unless the constraint is isolated: a copy takes the parser's whole history (about
+/// 0.1 ms per step at 4,000 tokens of JSON), where rebuilding it from
+/// [`GrammarConstraint::origin`] (about 2 ms at 4,000) happens only after such a failure.
 struct Drafts {
     /// Tokens consumed before the drafts.
     read: usize,
@@ -1100,6 +1141,10 @@ struct Drafts {
     commits: Vec<u32>,
     /// The failure they led to, and after how many of them.
     failed: Option<(usize, DraftFailure)>,
+    /// Where the drafts go through a copy of the matcher (an isolated constraint's, or those
+    /// that a [`GrammarConstraint::recheck`] replayed): the matcher before the first draft it
+    /// consumed, and its [`GrammarConstraint::masked`], which taking them back puts back.
+    saved: Option<(Matcher, bool)>,
 }
 
 /// A failure that drafts led to.
@@ -1108,6 +1153,8 @@ struct DraftFailure {
     failure: String,
     /// Whether it came from the mask after the last token (else from committing it).
     in_mask: bool,
+    /// Whether it was a limit of the lexer, which leaves the lexer of the matcher in error.
+    lexer: bool,
 }
 
 /// A failure taken back with the drafts that led to it ([`GrammarConstraint::pending`]).
@@ -1122,10 +1169,55 @@ struct PendingFailure {
 /// Most commits a [`GrammarConstraint`] can take back (drafts per step are at most 16).
 const ROLLBACK_WINDOW: usize = 32;
 
+/// Whether `e`, an error of llguidance's matcher, comes from its lexer: its states or its fuel
+/// for one step, in an automaton that every copy of the matcher shares and that stays in error.
+fn is_lexer_error(e: &str) -> bool {
+    first_line(e).starts_with(&ParserError::LexerError(String::new()).message())
+}
+
+/// Where one token per step failed in a [`replay`].
+struct Replayed {
+    /// llguidance's error.
+    error: String,
+    /// How many generated tokens the failure comes after, as [`GrammarConstraint::fail`]
+    /// counts them (the token whose consuming failed included).
+    read: usize,
+    /// Whether it came from a mask (else from consuming a token).
+    in_mask: bool,
+}
+
+/// Takes `m` through `tokens` as one token per step does: the mask before each token (but the
+/// first when `masked`: it was computed), then the token. `before`: the generated tokens `m`
+/// consumed already, for [`Replayed::read`].
+fn replay(
+    m: &mut Matcher,
+    masked: &mut bool,
+    tokens: &[u32],
+    before: usize,
+) -> Result<(), Replayed> {
+    for (i, &t) in tokens.iter().enumerate() {
+        if !*masked {
+            m.compute_mask_or_eos().map_err(|e| Replayed {
+                error: e.to_string(),
+                read: before + i,
+                in_mask: true,
+            })?;
+        }
+        *masked = false;
+        m.consume_token(t).map_err(|e| Replayed {
+            error: e.to_string(),
+            read: before + i + 1,
+            in_mask: false,
+        })?;
+    }
+    Ok(())
+}
+
 impl GrammarConstraint {
-    fn new(matcher: Matcher, end_ids: Arc<[u32]>) -> Self {
+    fn new(matcher: Matcher, end_ids: Arc<[u32]>, pristine: Arc<Matcher>) -> Self {
         GrammarConstraint {
             origin: matcher.clone(),
+            pristine,
             consumed: Vec::new(),
             matcher,
             end_ids,
@@ -1133,6 +1225,10 @@ impl GrammarConstraint {
             recent: VecDeque::with_capacity(ROLLBACK_WINDOW),
             drafts: None,
             pending: None,
+            polluted: false,
+            isolated: false,
+            replayed_at: None,
+            masked: false,
         }
     }
 
@@ -1144,15 +1240,19 @@ impl GrammarConstraint {
         }
     }
 
-    /// Records what failed and after how many generated tokens: past llguidance's limits
-    /// ([`exceeded_limits`]), with llguidance's first line; else `what` and the whole error.
-    /// After a draft, it is held with the drafts ([`Drafts::failed`]) until they are taken
-    /// back or kept; the constraint allows only the end ids meanwhile, and its
-    /// [`TokenConstraint::failure`] stays `None` (read on another thread, that of the
-    /// detokenizer, while drafts may be committed here).
+    /// [`GrammarConstraint::fail_after`] the tokens consumed so far.
     fn fail(&mut self, what: &str, e: impl std::fmt::Display) {
+        self.fail_after(what, e, self.consumed.len());
+    }
+
+    /// Records what failed and after how many generated tokens (`read`): past llguidance's
+    /// limits ([`exceeded_limits`]), with llguidance's first line; else `what` and the whole
+    /// error. After a draft (`read` past the tokens before the drafts), it is held with the
+    /// drafts ([`Drafts::failed`]) until they are taken back or kept; the constraint allows
+    /// only the end ids meanwhile, and its [`TokenConstraint::failure`] stays `None` (read on
+    /// another thread, that of the detokenizer, while drafts may be committed here).
+    fn fail_after(&mut self, what: &str, e: impl std::fmt::Display, read: usize) {
         let e = e.to_string();
-        let read = self.consumed.len();
         let after = match read {
             1 => "after 1 generated token".to_owned(),
             n => format!("after {n} generated tokens"),
@@ -1162,13 +1262,10 @@ impl GrammarConstraint {
         } else {
             format!("{what} failed {after}: {e}")
         };
-        // A limit of the lexer stays: its automaton, shared by every copy of the matcher,
-        // stays in error once one is reached.
-        let lexer = first_line(&e).starts_with(&ParserError::LexerError(String::new()).message());
         if let Some(d) = self
             .drafts
             .as_mut()
-            .filter(|d| !d.commits.is_empty() && !lexer)
+            .filter(|d| !d.commits.is_empty() && read > d.read)
         {
             tracing::debug!(error = %e, read, "structured output: {what} failed after a draft");
             d.failed = Some((
@@ -1176,12 +1273,19 @@ impl GrammarConstraint {
                 DraftFailure {
                     failure,
                     in_mask: what == MASK,
+                    lexer: is_lexer_error(&e),
                 },
             ));
             return;
         }
         tracing::warn!(error = %e, read, "structured output: {what} failed; ending the sequence");
         self.failed(failure);
+    }
+
+    /// Records where one token per step failed in a [`replay`].
+    fn fail_replayed(&mut self, r: Replayed) {
+        let what = if r.in_mask { MASK } else { CONSUME };
+        self.fail_after(what, r.error, r.read);
     }
 
     /// Whether the constraint allows only its end ids: it failed, or its drafts led to a
@@ -1235,40 +1339,194 @@ impl GrammarConstraint {
         }
         true
     }
+
+    /// The mask where the matcher stands; `None` when it failed (recorded by
+    /// [`GrammarConstraint::fail_after`]).
+    fn mask(&mut self) -> Option<SimpleVob> {
+        match self.matcher.compute_mask_or_eos() {
+            Ok(mask) => {
+                self.masked = true;
+                Some(mask)
+            }
+            Err(e) if self.polluted && is_lexer_error(&e.to_string()) => match self.recheck(true) {
+                Ok(mask) => mask,
+                Err(r) => {
+                    self.fail_replayed(r);
+                    None
+                }
+            },
+            Err(e) => {
+                self.fail(MASK, e);
+                None
+            }
+        }
+    }
+
+    /// A limit of the lexer reached while its automaton holds states built for drafts that
+    /// were taken back ([`GrammarConstraint::polluted`]): one token per step may not reach it.
+    /// Builds the state one token per step reaches with a lexer of its own (a deep copy of
+    /// [`GrammarConstraint::pristine`]): through the tokens consumed before the drafts, the
+    /// mask before each; the drafts consumed since, on a copy kept apart as the state before
+    /// them ([`Drafts::saved`]); then the step that failed (the mask after the last token when
+    /// `then_mask`, which is returned; else consuming it). `Err`: one token per step fails
+    /// too, where it says.
+    ///
+    /// Cost: a mask and a token per generated token, the masks building every lexer state
+    /// again (as much as one token per step did so far), and a deep copy of the matcher when
+    /// drafts are committed; at most once per such failure, and bounded over the sequence by
+    /// [`GrammarConstraint::replayed`].
+    fn recheck(&mut self, then_mask: bool) -> Result<Option<SimpleVob>, Replayed> {
+        let t0 = Instant::now();
+        self.replayed();
+        self.polluted = false;
+        let read = self.drafts.as_ref().map_or(self.consumed.len(), |d| d.read);
+        let origin = self.pristine.deep_clone();
+        let mut m = origin.clone();
+        self.origin = origin;
+        let mut masked = false;
+        let r = replay(&mut m, &mut masked, &self.consumed[..read], 0);
+        let drafted = self.consumed[read..].to_vec();
+        let r = r.and_then(|()| {
+            if drafted.is_empty() {
+                return Ok(());
+            }
+            if !masked {
+                m.compute_mask_or_eos().map_err(|e| Replayed {
+                    error: e.to_string(),
+                    read,
+                    in_mask: true,
+                })?;
+                masked = true;
+            }
+            let copy = m.deep_clone();
+            let before = std::mem::replace(&mut m, copy);
+            if let Some(d) = self.drafts.as_mut() {
+                d.saved = Some((before, true));
+            }
+            replay(&mut m, &mut masked, &drafted, read)
+        });
+        let r = r.and_then(|()| {
+            if !then_mask {
+                return Ok(None);
+            }
+            let mask = m.compute_mask_or_eos().map_err(|e| Replayed {
+                error: e.to_string(),
+                read: self.consumed.len(),
+                in_mask: true,
+            })?;
+            masked = true;
+            Ok(Some(mask))
+        });
+        self.matcher = m;
+        self.masked = masked;
+        tracing::debug!(
+            tokens = self.consumed.len(),
+            ok = r.is_ok(),
+            elapsed_us = t0.elapsed().as_micros() as u64,
+            "structured output: a lexer limit after drafts, checked one token per step"
+        );
+        r
+    }
+
+    /// Notes a [`replay`] through the tokens consumed so far. Each costs about what one token
+    /// per step spent on masks so far (measured at 4,000 tokens: 4 ms for a JSON schema's
+    /// output, 105 ms for an exponential regex's). One less than twice as far into the output
+    /// as the one before it isolates the constraint: its drafts then go through a deep copy
+    /// of the matcher, whose lexer never holds a draft's states, so none of its limits needs a
+    /// replay again. So the tokens replayed over a sequence add up to at most three times its
+    /// output (the replays before isolation at least double each time). Isolation is not the
+    /// first answer: a copy costs about what the lexer holds, at every draft step (measured:
+    /// 0.1 ms for that JSON schema's lexer, 5 ms for that regex's at 4,000 tokens, 95 ms near
+    /// the 250,000 states of llguidance's default limit), more than replays that come rarely.
+    fn replayed(&mut self) {
+        let at = self.consumed.len();
+        if self.replayed_at.is_some_and(|before| at < 2 * before) {
+            self.isolated = true;
+        }
+        self.replayed_at = Some(at);
+    }
+
+    /// Puts back the state before the drafts `d`, which led to a failure (the matcher may be
+    /// in error); false when that fails (then the constraint's failure).
+    fn back_before(&mut self, d: &mut Drafts, lexer: bool) -> bool {
+        let drafted = self.consumed.len() > d.read;
+        self.recent = std::mem::take(&mut d.recent);
+        self.consumed.truncate(d.read);
+        if let Some((m, masked)) = d.saved.take() {
+            // Isolated: the drafts went through a copy.
+            self.matcher = m;
+            self.masked = masked;
+            return true;
+        }
+        if lexer {
+            // The lexer of `matcher` and `origin` is in error: a lexer of its own, which
+            // holds what one token per step builds.
+            self.replayed();
+            self.polluted = false;
+            let origin = self.pristine.deep_clone();
+            self.matcher = origin.clone();
+            self.origin = origin;
+            self.masked = false;
+            let t0 = Instant::now();
+            let r = replay(&mut self.matcher, &mut self.masked, &self.consumed, 0);
+            tracing::debug!(
+                tokens = self.consumed.len(),
+                elapsed_us = t0.elapsed().as_micros() as u64,
+                "structured output: a lexer limit on drafts; the state before them rebuilt"
+            );
+            return match r {
+                Ok(()) => true,
+                Err(r) => {
+                    self.fail_replayed(r);
+                    false
+                }
+            };
+        }
+        // The lexer keeps the states the drafts built.
+        self.polluted |= drafted;
+        self.matcher = self.origin.clone();
+        self.masked = false;
+        match self.matcher.consume_tokens(&self.consumed) {
+            Ok(()) => true,
+            Err(e) => {
+                self.fail("rebuilding the state before drafts", e);
+                false
+            }
+        }
+    }
 }
 
 /// What [`GrammarConstraint::fail`] calls a failed mask.
 const MASK: &str = "the token mask";
+/// What [`GrammarConstraint::fail`] calls a token that failed to be consumed.
+const CONSUME: &str = "consuming a token";
 
 impl TokenConstraint for GrammarConstraint {
     fn fill_allowed(&mut self, allowed: &mut [u32]) {
         self.take_armed_failure();
         if !self.ended() {
-            match self.matcher.compute_mask_or_eos() {
-                Ok(mask) => {
-                    let src = mask.as_slice();
-                    let n = src.len().min(allowed.len());
-                    allowed[..n].copy_from_slice(&src[..n]);
-                    // The grammar may end where it allows the tokenizer's end-of-sequence
-                    // tokens; what ends this request are its own end ids.
-                    let mut may_end = false;
-                    if let Ok(env) = self.matcher.tok_env() {
-                        for &t in env.tok_trie().eos_tokens() {
-                            may_end |= mask.is_allowed(t);
-                            if let Some(w) = allowed.get_mut(t as usize / 32) {
-                                *w &= !(1 << (t % 32));
-                            }
+            if let Some(mask) = self.mask() {
+                let src = mask.as_slice();
+                let n = src.len().min(allowed.len());
+                allowed[..n].copy_from_slice(&src[..n]);
+                // The grammar may end where it allows the tokenizer's end-of-sequence
+                // tokens; what ends this request are its own end ids.
+                let mut may_end = false;
+                if let Ok(env) = self.matcher.tok_env() {
+                    for &t in env.tok_trie().eos_tokens() {
+                        may_end |= mask.is_allowed(t);
+                        if let Some(w) = allowed.get_mut(t as usize / 32) {
+                            *w &= !(1 << (t % 32));
                         }
                     }
-                    if may_end {
-                        self.allow_end(allowed);
-                    }
-                    if allowed.iter().any(|&w| w != 0) {
-                        return;
-                    }
-                    self.fail(MASK, "no token is allowed");
                 }
-                Err(e) => self.fail(MASK, e),
+                if may_end {
+                    self.allow_end(allowed);
+                }
+                if allowed.iter().any(|&w| w != 0) {
+                    return;
+                }
+                self.fail(MASK, "no token is allowed");
             }
         }
         allowed.fill(0);
@@ -1295,10 +1553,30 @@ impl TokenConstraint for GrammarConstraint {
             self.recent.push_back(false);
             return;
         }
+        // The mask one token per step computed before this token, where the lexer is to hold
+        // what one token per step builds.
+        if (self.isolated || !self.polluted) && !self.masked && self.mask().is_none() {
+            self.recent.push_back(false);
+            return;
+        }
+        if self.isolated {
+            // The first draft consumed: the drafts go through a copy.
+            if let Some(d) = self.drafts.as_mut().filter(|d| d.saved.is_none()) {
+                let copy = self.matcher.deep_clone();
+                d.saved = Some((std::mem::replace(&mut self.matcher, copy), self.masked));
+            }
+        }
         self.recent.push_back(true);
         self.consumed.push(token);
-        if let Err(e) = self.matcher.consume_token(token) {
-            self.fail("consuming a token", e);
+        self.masked = false;
+        match self.matcher.consume_token(token) {
+            Ok(()) => {}
+            Err(e) if self.polluted && is_lexer_error(&e.to_string()) => {
+                if let Err(r) = self.recheck(false) {
+                    self.fail_replayed(r);
+                }
+            }
+            Err(e) => self.fail(CONSUME, e),
         }
     }
 
@@ -1324,23 +1602,21 @@ impl TokenConstraint for GrammarConstraint {
             recent: self.recent.clone(),
             commits: Vec::new(),
             failed: None,
+            saved: None,
         });
     }
 
-    fn rollback(&mut self, n: usize) -> bool {
-        if let Some(d) = self.drafts.take() {
-            if let Some((at, what)) = d.failed {
-                let Some(kept) = d.commits.len().checked_sub(n).filter(|&k| k < at) else {
+    fn rollback(&mut self, mut n: usize) -> bool {
+        if let Some(mut d) = self.drafts.take() {
+            let kept = d.commits.len().checked_sub(n);
+            if let Some((at, what)) = d.failed.take() {
+                let Some(kept) = kept.filter(|&k| k < at) else {
                     // Not taken back: the failure is the constraint's.
                     tracing::warn!("structured output: a failure after drafts was kept");
                     self.failed(what.failure);
                     return false;
                 };
-                self.recent = d.recent;
-                self.consumed.truncate(d.read);
-                self.matcher = self.origin.clone();
-                if let Err(e) = self.matcher.consume_tokens(&self.consumed) {
-                    self.fail("rebuilding the state before drafts", e);
+                if !self.back_before(&mut d, what.lexer) {
                     return false;
                 }
                 for &t in &d.commits[..kept] {
@@ -1352,6 +1628,22 @@ impl TokenConstraint for GrammarConstraint {
                     what,
                 });
                 return self.failure.is_none();
+            }
+            if d.saved.is_some() {
+                // Isolated: the drafts went through a copy; the matcher before them goes
+                // back, then the commits before the `n` taken back (any taken back from
+                // before the drafts are taken back from it).
+                let commits = std::mem::take(&mut d.commits);
+                if !self.back_before(&mut d, false) {
+                    return false;
+                }
+                for &t in &commits[..kept.unwrap_or(0)] {
+                    self.commit(t);
+                }
+                if n <= commits.len() {
+                    return self.failure.is_none();
+                }
+                n -= commits.len();
             }
         }
         if n == 0 {
@@ -1369,6 +1661,9 @@ impl TokenConstraint for GrammarConstraint {
         }
         let left = self.consumed.len().saturating_sub(consumed);
         self.consumed.truncate(left);
+        // The lexer keeps the states that the tokens taken back built.
+        self.polluted = true;
+        self.masked = false;
         match self.matcher.rollback(consumed) {
             Ok(()) => true,
             Err(e) => {
@@ -2313,7 +2608,9 @@ mod tests {
     /// Speculative decoding computes the mask after each draft with the drafts committed, then
     /// takes them back. A grammar that goes past llguidance's parser limits only along the
     /// drafts (`"a"` then a right recursion: past a row's items when a token is committed, or
-    /// past a step's items in the mask after one; each limit lowered to be reached within the
+    /// past a step's items in the mask after one; `"a"` then an exponential regex: past the
+    /// lexer's states or its fuel for one step, in a mask, which leaves the lexer that every
+    /// copy of the matcher shares in error; each limit lowered to be reached within the
     /// drafts) while the accepted path (`"b"` then `x`s) never does is no failure:
     /// the outcome is that of decoding one token at a time. The sets through the drafts are
     /// still those of one token at a time, the one after the failure allowing only the end.
@@ -2332,6 +2629,7 @@ mod tests {
             ids[0]
         };
         let (a, b, x) = (id("a"), id("b"), id("x"));
+        let exponential = "start: \"a\" s | \"b\" t\ns: /(a|b)*a(a|b){12}/\nt: /x+/\n";
         let mut kinds = Vec::new();
         for (limits, grammar, next) in [
             (
@@ -2348,6 +2646,22 @@ mod tests {
                     ..ParserLimits::default()
                 },
                 "start: \"a\" s | \"b\" t\ns: \"a\" s | \"a\"\nt: /x+/\n",
+                a,
+            ),
+            (
+                ParserLimits {
+                    max_lexer_states: 60,
+                    ..ParserLimits::default()
+                },
+                exponential,
+                a,
+            ),
+            (
+                ParserLimits {
+                    step_lexer_fuel: 200,
+                    ..ParserLimits::default()
+                },
+                exponential,
                 a,
             ),
         ] {
@@ -2378,9 +2692,18 @@ mod tests {
                     ))
                 },
             ];
-            for wrap in wrappers {
+            // Before the drafts, a round of drafts rejected at once (nothing is committed)
+            // or none. Those take the lexer into states that one token at a time never builds.
+            let start = |pollute: bool| {
+                let g = fresh();
+                if pollute {
+                    g.allowed_through(vocab, &[a, b, b, a, b, b, b]);
+                }
+                g
+            };
+            for (wrap, pollute) in wrappers.into_iter().flat_map(|w| [(w, false), (w, true)]) {
                 // Rejected: the accepted path goes on as if the drafts had never been.
-                let (g, plain) = (fresh(), fresh());
+                let (g, plain) = (start(pollute), fresh());
                 let c = wrap(g.clone());
                 assert_eq!(c.allowed_through(vocab, &drafts), sets, "{grammar:?}");
                 assert_eq!(
@@ -2398,7 +2721,7 @@ mod tests {
                 }
                 assert_eq!(g.failure(), None);
                 // Accepted, then the end sampled from the set after the failure.
-                let g = fresh();
+                let g = start(pollute);
                 let c = wrap(g.clone());
                 assert_eq!(c.allowed_through(vocab, &drafts), sets);
                 assert_eq!(g.failure(), None);
@@ -2409,7 +2732,7 @@ mod tests {
                 // Accepted up to the failure, then a token the grammar allows there: the
                 // failure stands where it came from the commit; from the mask, the mask after
                 // the drafts was never computed on this path, so it is not one.
-                let g = fresh();
+                let g = start(pollute);
                 assert_eq!(g.allowed_through(vocab, &drafts), sets);
                 g.commit_all(&path[..path.len() - 1]);
                 assert_eq!(g.failure(), None);
@@ -2424,7 +2747,11 @@ mod tests {
                 assert_eq!(g.failure(), Some(failure.clone()), "{grammar:?}");
             }
         }
-        assert_eq!(kinds, [true, false], "a failed commit, then a failed mask");
+        assert_eq!(
+            kinds,
+            [true, false, false, false],
+            "a failed commit, then failed masks"
+        );
     }
 
     /// While drafts are committed, a failure they led to is not the constraint's: its
@@ -2497,39 +2824,168 @@ mod tests {
         assert_eq!(g.failure(), Some(failure));
     }
 
-    /// A limit of llguidance's lexer (its fuel for one step, its states) reached along drafts
-    /// stays a failure even when they are taken back: its automaton is shared by every copy
-    /// of the matcher and stays in error once a limit is reached, so the accepted path could
-    /// not go on anyway. Should llguidance's lexer start to take that back, this fails.
+    /// One token per step along `path` until it fails: the allowed set before each token, and
+    /// after a failure the one after it (only the end ids); and the failure.
+    fn one_token_per_step(
+        c: &Constraint,
+        vocab: usize,
+        path: &[u32],
+    ) -> (Vec<Vec<u32>>, Option<String>) {
+        let mut sets = Vec::new();
+        for &t in path {
+            sets.push(c.allowed(vocab));
+            if c.failure().is_some() {
+                break;
+            }
+            c.commit(t);
+            if c.failure().is_some() {
+                sets.push(c.allowed(vocab));
+                break;
+            }
+        }
+        (sets, c.failure())
+    }
+
+    /// Speculative decoding along `path` as the CUDA backend drives a constraint: round `r`
+    /// drafts the next `r % 3` tokens of `path`, then `junk(r, next)` (whose first token is
+    /// not the path's `next`: rejected, but committed while the masks through the drafts are
+    /// computed), takes the sets through them ([`Constraint::allowed_through`]), and commits
+    /// the accepted drafts and the token sampled after them: the path's next, or the end where
+    /// the set allows only it. Each row used (up to the first rejected draft) must equal one token per
+    /// step's (`plain`, from [`one_token_per_step`]); returns the failure in the end.
+    fn speculate(
+        c: &Constraint,
+        vocab: usize,
+        end: u32,
+        path: &[u32],
+        plain: &(Vec<Vec<u32>>, Option<String>),
+        junk: impl Fn(usize, u32) -> Vec<u32>,
+    ) -> Option<String> {
+        let (want, failure) = plain;
+        let fail_row = failure.as_ref().map(|_| want.len() - 1);
+        let (mut i, mut round) = (0, 0);
+        while i < want.len() {
+            let accepted = (round % 3).min(path.len() - 1 - i);
+            let mut drafts = path[i..i + accepted].to_vec();
+            let junk = junk(round, path[i + accepted]);
+            assert_ne!(
+                junk.first(),
+                Some(&path[i + accepted]),
+                "junk that is not rejected"
+            );
+            drafts.extend(junk);
+            let sets = c.allowed_through(vocab, &drafts);
+            for (j, set) in sets.iter().enumerate().take(accepted + 1) {
+                let row = i + j;
+                assert_eq!(set, &want[row], "round {round}, row {row}");
+                if Some(row) == fail_row {
+                    c.commit_all(&path[i..row]);
+                    c.commit(end);
+                    return c.failure();
+                }
+                assert_eq!(c.failure(), None, "round {round}, row {row}");
+            }
+            c.commit_all(&path[i..=i + accepted]);
+            i += accepted + 1;
+            round += 1;
+        }
+        c.failure()
+    }
+
+    /// A limit of llguidance's lexer (its states, counted over the whole output; its fuel for
+    /// one step) is reached in an automaton that every copy of the matcher shares and that
+    /// stays in error, and the states it builds for drafts stay when they are taken back. With
+    /// an exponential regex and the lexer's limits lowered, speculative decoding whose drafts
+    /// are rejected each round ([`speculate`]: the tokens of the drafts that the model rejects
+    /// take the lexer into states one token per step never visits) sees the same sets and the
+    /// same outcome as one token per step: no failure where the tokens kept do not reach the
+    /// limit (the drafts' states would: this failed before the constraint replayed the tokens
+    /// kept on a lexer of its own after such a limit), and the same failure, after as many
+    /// tokens and in the same words, where they do. Kept paths of `a`s (few states) and of
+    /// random `a`s and `b`s (many), rejected drafts of random tokens of `a`s and `b`s; the
+    /// replays go from the first (the drafts then go on through the matcher) to isolation
+    /// (through a copy) along the way.
     #[test]
-    fn a_lexer_limit_reached_on_drafts_stays_a_failure() {
+    fn lexer_limits_with_rejected_drafts_give_the_outcome_of_one_token_per_step() {
         let tok = tokenizer();
         let vocab = tok.vocab_size();
         let end = tok.eos_token_ids()[0];
+        let ab: Vec<u32> = (0..vocab as u32)
+            .filter(|&t| {
+                let b = tok.token_bytes(t).unwrap_or_default();
+                !tok.is_special(t) && !b.is_empty() && b.iter().all(|c| b"ab".contains(c))
+            })
+            .collect();
+        assert!(ab.len() >= 4, "{ab:?}");
         let a = tok.encode("a", false).expect("ids")[0];
-        let limits = ParserLimits {
-            step_lexer_fuel: 200,
+        let random = |seed: u64, n: usize, not_first: u32| {
+            let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            let mut out = Vec::with_capacity(n);
+            while out.len() < n {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let t = ab[(state % ab.len() as u64) as usize];
+                if !(out.is_empty() && t == not_first) {
+                    out.push(t);
+                }
+            }
+            out
+        };
+        let spec = StructuredOutput::Grammar("start: /(a|b)*a(a|b){12}/\n".into());
+        let mut outcomes = Vec::new();
+        let states = |n| ParserLimits {
+            max_lexer_states: n,
             ..ParserLimits::default()
         };
-        let compiler = GrammarCompiler::with_limits(tok.clone(), limits).expect("compiler");
-        let spec =
-            StructuredOutput::Grammar("start: \"a\" /(a|b)*a(a|b){12}/ | \"b\" /x+/\n".into());
-        let fresh = || {
-            compiler
-                .compile(&spec, &[end], 1)
-                .expect("compiles")
-                .remove(0)
+        let fuel = |n| ParserLimits {
+            step_lexer_fuel: n,
+            ..ParserLimits::default()
         };
-        let (_, path, failure, after_commit) =
-            one_at_a_time_until_failure(&fresh(), vocab, a, a, 12);
-        assert!(
-            failure.contains("lexer error: too many expressions constructed"),
-            "{failure}"
+        for limits in [
+            states(60),
+            states(100),
+            states(200),
+            states(400),
+            states(800),
+        ]
+        .into_iter()
+        .chain([fuel(400), fuel(800)])
+        {
+            let words = if limits.max_lexer_states < ParserLimits::default().max_lexer_states {
+                "lexer error: too many states"
+            } else {
+                "lexer error: too many expressions constructed"
+            };
+            let compiler =
+                GrammarCompiler::with_limits(tok.clone(), limits.clone()).expect("compiler");
+            let fresh = || {
+                compiler
+                    .compile(&spec, &[end], 1)
+                    .expect("compiles")
+                    .remove(0)
+            };
+            for path in [vec![a; 96], random(7, 96, u32::MAX)] {
+                let plain = one_token_per_step(&fresh(), vocab, &path);
+                if let Some(f) = &plain.1 {
+                    assert!(exceeded_limits(f), "{f}");
+                    assert!(f.contains(words), "{f}");
+                }
+                let junk = |round: usize, next: u32| random(round as u64 + 100, 4, next);
+                let got = speculate(&fresh(), vocab, end, &path, &plain, junk);
+                assert_eq!(got, plain.1, "{limits:?} along {path:?}");
+                outcomes.push(plain.1.is_some());
+            }
+        }
+        // Whether one token per step fails, per limit (along `a`s, then along the random
+        // path): both outcomes, under each kind of limit.
+        assert_eq!(
+            outcomes,
+            [
+                true, true, false, true, false, true, false, true, false, false, true, true, false,
+                false
+            ]
         );
-        assert_eq!(after_commit, None, "from the mask");
-        let g = fresh();
-        g.allowed_through(vocab, &path);
-        assert_eq!(g.failure(), Some(failure));
     }
 
     #[test]
