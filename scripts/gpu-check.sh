@@ -9,7 +9,7 @@
 # Then on the GPU host:
 #   BIN=dir-with-switchyard-and-cuda_backend MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
 #     OUT=results-dir scripts/gpu-check.sh
-# SECTIONS picks parts (default: all but ab): tests gemv ref dummy variants profile model serve
+# SECTIONS picks parts (default: all but ab): tests gemv ref dummy variants profile model serve specstruct
 # kvoffload kvbench kvcopy hf ab.
 #   tests     the cuda_backend test binary (GGUF-dependent tests skip without MODEL; TEST_FILTER:
 #             test-name filters; bounded by TEST_TIMEOUT, default 480 s here: the whole suite
@@ -42,6 +42,10 @@
 #             `bench serve` with those arguments (`--endpoint embeddings ...`);
 #             SERVE_SETS: config overrides, e.g. "scheduler.async_scheduling=off"
 #   hf        gpu/reference/hf_bench.py (HF_ARGS): transformers on the same shapes
+#   specstruct `serve` on MODEL (backend SERVE_BACKEND) with prompt-lookup drafts: 48 concurrent
+#             completions, a third under a JSON schema, a third under a regex, a third free
+#             (scripts/spec-structured-check.py: every constrained answer valid, the drafts'
+#             acceptance from /metrics)
 #   kvoffload `serve` on MODEL (backend SERVE_BACKEND) with a KV cache of KV_BLOCKS blocks:
 #             prompt A, three prompts that evict it, A again, with a host KV tier
 #             (`cache.kv_offloading_size`) and without (cached tokens, same answer, the
@@ -70,7 +74,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 OUT=${OUT:-gpu-check-out}
 MODEL=${MODEL:-}
-SECTIONS=${SECTIONS:-"tests gemv ref dummy variants offline profile model serve kvoffload kvcopy hf"}
+SECTIONS=${SECTIONS:-"tests gemv ref dummy variants offline profile model serve specstruct kvoffload kvcopy hf"}
 mkdir -p "$OUT"
 # Binaries packed by scripts/devbench-pack.sh arrive gzip-compressed.
 for f in "$BIN"/*.gz; do
@@ -372,6 +376,29 @@ PY
     fi
   else
     note "serve did not come up"; tail -5 "$OUT/serve.log" | tee -a "$summary"
+  fi
+  kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+fi
+
+if has specstruct && [ -n "$MODEL" ] && [ -f "$MODEL" ]; then
+  cat >"$OUT/specstruct.yaml" <<EOF
+model: { path: $MODEL, backend: ${SERVE_BACKEND:-cuda} }
+server: { host: 127.0.0.1, port: 18433 }
+cache: { gpu_memory_utilization: 0.5 }
+speculative: { num_speculative_tokens: 4, max_running: 64 }
+EOF
+  "$SY" serve --config "$OUT/specstruct.yaml" >"$OUT/specstruct.log" 2>&1 &
+  spid=$!
+  ok=0
+  for _ in $(seq 1 120); do
+    if curl -sf http://127.0.0.1:18433/health >/dev/null 2>&1; then ok=1; break; fi
+    sleep 0.5
+  done
+  if [ $ok = 1 ]; then
+    python3 scripts/spec-structured-check.py http://127.0.0.1:18433 >"$OUT/specstruct.txt" 2>&1
+    note "structured output under speculative decoding rc=$?: $(tr '\n' ' ' <"$OUT/specstruct.txt" | head -c 900)"
+  else
+    note "serve (specstruct) did not come up"; tail -5 "$OUT/specstruct.log" | tee -a "$summary"
   fi
   kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
 fi
