@@ -954,7 +954,8 @@ fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
 /// (a raised requests-per-minute limit frees room at once; a new per-tenant bound counts the
 /// request in flight) and its SLO target to the requests that follow, with nothing named as
 /// taking a restart; a reload that would open the API changes
-/// nothing.
+/// nothing. The series of a tenant or tier removed leave `/metrics` (those of the tenants and
+/// tiers kept stay), and come back, their counts where they were, when it is configured again.
 #[test]
 fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     const ACME: &str = "Bearer gold-tenant-acme-key-0001";
@@ -995,6 +996,15 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     assert_eq!(s.complete_as(BOB, &short).status, 200);
     // No first token comes within 10 µs.
     assert_eq!(ttft(), (0.0, 3.0));
+    // The sample lines of `/metrics` that carry `label`.
+    let series = |label: &str| {
+        let r = s.request("GET", "/metrics", None, &[]).expect("/metrics");
+        assert_eq!(r.status, 200, "{}", r.body);
+        (r.body.lines())
+            .filter(|l| !l.starts_with('#') && l.contains(label))
+            .count()
+    };
+    assert!(series("tenant=\"bob\"") > 0);
 
     // Bob's key revoked, carol's added; gold allows 4 a minute and one request per tenant.
     std::fs::write(&keys_file, entry(ACME, "acme") + &entry(CAROL, "carol")).expect("keys");
@@ -1022,6 +1032,12 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     ]);
     let r = s.complete_as(BOB, &short);
     assert_eq!(r.status, 401, "{}", r.body);
+    assert_eq!(
+        series("tenant=\"bob\""),
+        0,
+        "a removed tenant's series leave /metrics"
+    );
+    assert!(series("tenant=\"acme\"") > 0, "a kept tenant's stay");
     // Acme used 2 of the new 4: two more, then refused at the new limit.
     for _ in 0..2 {
         let r = s.complete_as(ACME, &short);
@@ -1099,8 +1115,11 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     refused_beside_a_stream(DAVE, 503, "(tiers.silver.max_pending_requests is 1)");
 
     // Gold removed with its keys while one of carol's streams runs: acme's key is gone, dave
-    // is served, and gold's KV gauge reads 0 though carol's request still holds its blocks
-    // (it belongs to no configured tier from the reload on).
+    // is served, and gold's series (its KV gauge, though carol's request still holds its
+    // blocks), acme's and carol's leave /metrics; silver's and dave's stay.
+    let success = "switchyard:request_success_total";
+    let acme_done = s.labelled_metric(success, &["tenant=\"acme\""]);
+    assert_eq!(acme_done, 4.0);
     let gold_blocks = || s.labelled_metric("switchyard:kv_cache_blocks_used", &["tier=\"gold\""]);
     let carol_stream = s.hold_stream(CAROL, 2000);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -1121,7 +1140,13 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     s.wait_logged("SIGHUP: reload finished", 3);
     assert!(!s.log().contains("taking a restart"), "{}", s.log());
     s.assert_logged(&["SIGHUP: the tiers changed", "removed=gold"]);
-    assert_eq!(gold_blocks(), 0.0, "a removed tier's gauge reads 0");
+    for gone in ["tier=\"gold\"", "tenant=\"acme\"", "tenant=\"carol\""] {
+        assert_eq!(
+            series(gone),
+            0,
+            "{gone}: a removed series is still in /metrics"
+        );
+    }
     assert!(
         !carol_stream.is_finished(),
         "carol's stream ended before the check: make it longer"
@@ -1130,4 +1155,28 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     assert_eq!(r.status, 401, "{}", r.body);
     let r = s.complete_as(DAVE, &short);
     assert_eq!(r.status, 200, "{}", r.body);
+    assert!(series("tier=\"silver\"") > 0 && series("tenant=\"dave\"") > 0);
+
+    // Gold and acme's key back: their series are shown again, acme's counts where they were
+    // (a counter that goes on), and gold's KV gauge (at what its requests hold: carol's, if
+    // still running, count again); carol's stay out of sight.
+    std::fs::write(&keys_file, entry(ACME, "acme") + &silver(DAVE, "dave")).expect("keys");
+    edit_config(&s, "tiers:\n", "tiers:\n  gold: { ttft_ms: 600000 }\n");
+    s.hang_up();
+    s.wait_logged("SIGHUP: reload finished", 4);
+    s.assert_logged(&["SIGHUP: the tiers changed", "added=gold"]);
+    assert_eq!(s.labelled_metric(success, &["tenant=\"acme\""]), acme_done);
+    assert!(series("tier=\"gold\"") > 0);
+    assert_eq!(series("switchyard:kv_cache_blocks_used{tier=\"gold\"}"), 1);
+    assert_eq!(
+        series("tenant=\"carol\""),
+        0,
+        "carol is not configured again"
+    );
+    let r = s.complete_as(ACME, &short);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        s.labelled_metric(success, &["tenant=\"acme\""]),
+        acme_done + 1.0
+    );
 }

@@ -10,9 +10,16 @@
 //! configuration does not name carries no such label), `route` (route templates) and `status`
 //! (HTTP status codes) — never a user-supplied string. As in vLLM, each choice of a request with `n > 1`
 //! counts as a request of its own in the request-level metrics.
+//!
+//! `/metrics` shows the series of the tenants and tiers the configuration names now: those of
+//! one a reload removed leave it (`ConfiguredLabels`, in `metrics/configured_labels.rs`),
+//! though the exporter, which cannot forget a series, still holds them.
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+mod configured_labels;
+pub(crate) use configured_labels::ConfiguredLabels;
 
 // The engine's metrics (recorded by switchyard-actors) and their label keys, named once in
 // `switchyard_policies::metric_names`, the one crate the engine and this one both depend on.

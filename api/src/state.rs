@@ -14,7 +14,9 @@ use crate::auth::Principal;
 use crate::engine::GenerateRequest;
 use crate::engine::{Engine, EngineError, EngineErrorKind};
 use crate::error::ApiError;
-use crate::metrics::{HTTP_IN_FLIGHT, LABEL_LIMIT, LABEL_TENANT, LABEL_TIER, RATE_LIMITED};
+use crate::metrics::{
+    ConfiguredLabels, HTTP_IN_FLIGHT, LABEL_LIMIT, LABEL_TENANT, LABEL_TIER, RATE_LIMITED,
+};
 use crate::rate_limit::{estimate_prompt_tokens, Meter, RateLimiter};
 use crate::response_store::ResponseStore;
 use crate::throttle::Throttle;
@@ -29,6 +31,8 @@ pub struct ApiState {
     config: Arc<parking_lot::RwLock<Arc<ApiConfig>>>,
     /// Renders `/metrics`; `None` answers 404 there.
     pub(crate) metrics: Option<PrometheusHandle>,
+    /// The tenants and tiers whose series `/metrics` shows: `config`'s, replaced with it.
+    metric_labels: Arc<parking_lot::RwLock<Arc<ConfiguredLabels>>>,
     /// Drain switch and in-flight count.
     lifecycle: Arc<Lifecycle>,
     /// Unix time the state was created, for `/v1/models`.
@@ -56,10 +60,12 @@ impl ApiState {
         let responses = Arc::new(ResponseStore::new(config.responses_store));
         let rate_limiter = Arc::new(RateLimiter::new(config.rate_limits.clone()));
         register_rate_limited(&config);
+        let metric_labels = Arc::new(ConfiguredLabels::of(&config));
         Self {
             engine,
             config: Arc::new(parking_lot::RwLock::new(Arc::new(config))),
             metrics,
+            metric_labels: Arc::new(parking_lot::RwLock::new(metric_labels)),
             lifecycle: Arc::new(Lifecycle {
                 draining: AtomicBool::new(false),
                 in_flight,
@@ -83,13 +89,20 @@ impl ApiState {
         Arc::clone(&self.config.read())
     }
 
+    /// The tenants and tiers whose series `/metrics` shows: the API keys' tenants and the
+    /// tiers in force.
+    pub(crate) fn metric_labels(&self) -> Arc<ConfiguredLabels> {
+        Arc::clone(&self.metric_labels.read())
+    }
+
     /// Puts `api_keys`, `rate_limits` and the configured `tiers` (their names) in force (a
     /// reload of the configuration, SIGHUP): requests authenticate against the new keys from
     /// now on (a request already past authentication goes on as its key's tenant), and each
     /// tenant's budget follows its tier's new limits ([`RateLimiter::set_limits`]: a removed
     /// tier's budgets go, a new tier's start full). Authentication is never turned on or off
     /// here: keys on an open API, or none on one with keys, are refused, changing nothing.
-    /// The new principals' `rate_limited_total` series are created at zero.
+    /// The new principals' `rate_limited_total` series are created at zero, and the series
+    /// of a tenant or tier no longer configured leave `/metrics` (`ConfiguredLabels`).
     pub fn reload_access(
         &self,
         api_keys: Vec<crate::auth::ApiKeyEntry>,
@@ -129,6 +142,7 @@ impl ApiState {
         next.rate_limits = rate_limits;
         next.tiers = tiers;
         register_rate_limited(&next);
+        *self.metric_labels.write() = Arc::new(ConfiguredLabels::of(&next));
         *config = Arc::new(next);
         Ok(change)
     }

@@ -234,16 +234,19 @@ pub(crate) async fn ready(state: web::Data<ApiState>) -> Result<HttpResponse, Ap
     Ok(HttpResponse::Ok().json(serde_json::json!({"status": "ready"})))
 }
 
-/// `GET /metrics`: Prometheus text exposition.
+/// `GET /metrics`: Prometheus text exposition, without the series of a tenant or tier no
+/// longer configured (a reload removed it; the exporter still holds them, and they come back
+/// if it is configured again: [`crate::metrics::ConfiguredLabels`]).
 pub(crate) async fn metrics(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
     let handle = state.metrics.as_ref().ok_or(ApiError::MetricsDisabled)?;
     handle.run_upkeep();
+    let exposition = state.metric_labels().retain_configured(&handle.render());
     Ok(HttpResponse::Ok()
         .insert_header((
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         ))
-        .body(handle.render()))
+        .body(exposition))
 }
 
 /// `GET /admin/policy`.

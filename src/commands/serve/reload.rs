@@ -284,7 +284,8 @@ impl Reloader {
     /// Puts `keys` (none on an API started open), `effective`'s tiers and `max_pending` in
     /// force: the keys and rate limits in the HTTP layer, the tiers' priorities, the bounds on
     /// requests in flight, the tenants' shares of LoRA adapter memory and the tenants that
-    /// label metrics in the engine.
+    /// label metrics in the engine; the series of a tenant or tier removed leave `/metrics`
+    /// (hidden there by the HTTP layer, which `reload_access` hands the new keys and tiers).
     fn apply_access(
         &self,
         state: &mut ReloadState,
