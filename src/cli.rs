@@ -21,6 +21,11 @@ pub enum Command {
         after_help = "Examples:\n  switchyard serve --config config/examples/default.yaml\n  switchyard serve --config prod.yaml --set server.port=9000"
     )]
     Serve(ServeArgs),
+    /// Answer an OpenAI Batch input file offline (JSONL in, JSONL out), as `serve` would.
+    #[command(
+        after_help = "Each input line is {\"custom_id\": \"...\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {...}}\n(urls: /v1/chat/completions, /v1/completions, /v1/embeddings); each output line, in input order, is\n{\"id\": \"batch_req_...\", \"custom_id\": \"...\", \"response\": {\"status_code\": 200, \"request_id\": \"...\", \"body\": {...}}, \"error\": null}.\n\nExamples:\n  switchyard run-batch --config config/examples/default.yaml -i requests.jsonl -o results.jsonl\n  cat requests.jsonl | switchyard run-batch -c prod.yaml -i - -o - --set scheduler.max_num_seqs=64"
+    )]
+    RunBatch(RunBatchArgs),
     /// Replay a request trace against scheduling policies with a virtual clock (no GPU, no model).
     #[command(
         after_help = "Examples:\n  switchyard simulate --config config/examples/sim-azure-tiers.yaml --out out/sim\n  switchyard simulate --trace ../shared/traces/AzureLLMInferenceTrace_code.csv --format azure \\\n      --policies fcfs,priority,slo-aware,chunked-prefill --out out/azure --seed 1\n  switchyard simulate --trace config/examples/sim-sample-trace.jsonl --format jsonl \\\n      --tiers config/examples/multi-tenant.yaml --policies fcfs,priority --out out/sample"
@@ -56,6 +61,27 @@ pub struct ServeArgs {
     /// Override a field: `--set server.port=9000` (repeatable; applied after SWITCHYARD__* env vars).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
+}
+
+/// `switchyard run-batch`.
+#[derive(Debug, Args)]
+pub struct RunBatchArgs {
+    /// The YAML configuration file (the one `serve` takes).
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// Override a field: `--set scheduler.max_num_seqs=64` (repeatable; applied after
+    /// SWITCHYARD__* env vars).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// The OpenAI Batch input file (JSONL; `-` for standard input; at most 200 MB and
+    /// 50,000 requests).
+    #[arg(long, short, value_name = "INPUT.jsonl")]
+    pub input: String,
+    /// Where the results go (JSONL, one line per request, in input order; `-` for standard
+    /// output). Written as OUTPUT.partial and renamed at the end; an interrupted run leaves
+    /// OUTPUT.partial with the lines done.
+    #[arg(long, short, value_name = "OUTPUT.jsonl")]
+    pub output: String,
 }
 
 /// Trace formats the simulator reads.

@@ -34,7 +34,7 @@ fn flags(text: &str) -> BTreeSet<String> {
 #[test]
 fn every_readme_command_line_uses_flags_its_subcommand_has() {
     // Subcommands, longest first so that `bench serve` is not read as `serve`.
-    const SUBCOMMANDS: [&str; 8] = [
+    const SUBCOMMANDS: [&str; 9] = [
         "bench throughput",
         "bench serve",
         "config check",
@@ -42,6 +42,7 @@ fn every_readme_command_line_uses_flags_its_subcommand_has() {
         "calibrate",
         "generate",
         "simulate",
+        "run-batch",
         "serve",
     ];
     // A table cell's escaped pipes (`random\|sharegpt`) and a shell line's continuations.

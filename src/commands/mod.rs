@@ -8,6 +8,7 @@ mod config;
 mod generate;
 mod model;
 mod mooncake;
+mod run_batch;
 mod runtime;
 mod serve;
 mod simulate;
@@ -26,6 +27,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Serve(args) => serve::run(args),
+        Command::RunBatch(args) => run_batch::run(args),
         Command::Simulate(args) => simulate::run(args),
     }
 }

@@ -95,7 +95,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Everything that can be checked without the model is checked before its (slow) load,
     // so a typo fails fast: the load format, the address (bound here: a port in use fails
     // now), the policy, the TLS certificate and key (read above) and the API keys.
-    checks::load_format(config.model.load_format, &path)?;
+    check_load_format(&config, &path)?;
     let bind = SocketAddr::new(
         config
             .server
@@ -104,7 +104,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         config.server.port,
     );
     let tiers: Vec<TierSpec> = super::config::tier_specs(&config);
-    let registry = PolicyRegistry::with_builtins();
     let policy = super::config::build_policy(&config.scheduler.policy, &tiers)
         .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
     let api_keys = config.load_api_keys()?;
@@ -131,8 +130,143 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         super::config::field_origin(&args.config, &args.overrides, field)
     })?;
     checks::warn_if_open(api_keys.is_empty(), bind);
+    let loaded = load_engine(
+        &config,
+        &path,
+        &tiers,
+        LoadOptions {
+            metrics: prometheus.is_some(),
+            metrics_tenants: key_tenants.into_iter().map(|(tenant, _)| tenant).collect(),
+        },
+    )?;
+    let api_is_open = api_keys.is_empty();
+    let api_config = loaded.api_config(&config, api_keys);
+    let options = ServerOptions {
+        // The socket bound at the start.
+        bind: Vec::new(),
+        workers: config.server.workers,
+        shutdown_timeout: Duration::from_secs(config.server.drain_timeout_s),
+        client_request_timeout: Duration::from_secs(config.server.request_timeout_s),
+    };
+    let drain = Duration::from_secs(config.server.drain_timeout_s);
+    let config_path = args.config.clone();
+    let overrides = args.overrides.clone();
+    system.block_on(async move {
+        let RunningEngine {
+            adapter,
+            file_adapters,
+        } = start_engine(loaded, policy, &config, tiers).await?;
+        let drain_engine = adapter.engine.clone();
+        let state = ApiState::new(adapter.clone(), api_config, prometheus)
+            .with_response_store(Arc::clone(&responses));
+        // With TLS, new connections get the certificate the resolver holds: SIGHUP replaces it.
+        let tls = certificate.map(|key| Arc::new(CertificateResolver::new(key)));
+        let (server, addrs) =
+            switchyard_api::build_server_on(state.clone(), &options, vec![listener], tls.clone())?;
+        let handle = server.handle();
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        for addr in &addrs {
+            tracing::info!(url = %format!("{scheme}://{addr}"), "serving");
+        }
+        let reloader = reload::Reloader::new(
+            adapter,
+            reload::Started {
+                api: state.clone(),
+                open: api_is_open,
+                path: config_path,
+                overrides,
+                config,
+                file_adapters,
+                tls,
+            },
+        );
+        // Signals: SIGTERM/SIGINT drain then stop (a second one ends the drain); SIGHUP
+        // re-reads the policy section and the adapters (one reload at a time, in the
+        // background).
+        let shutdown = shutdown::Shutdown {
+            state,
+            engine: drain_engine,
+            handle,
+            drain,
+        };
+        actix_web::rt::spawn(shutdown::handle_signals(hangup, reloader, shutdown));
+        server.await?;
+        // Background responses that ended during the drain are in the journal before exit.
+        responses.sync();
+        tracing::info!("stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// Refuses a `model.load_format` that names another format than the one at `path`: checked
+/// before the model loads.
+pub(super) fn check_load_format(config: &Config, path: &Path) -> anyhow::Result<()> {
+    checks::load_format(config.model.load_format, path)
+}
+
+/// What [`load_engine`] needs beyond the configuration.
+pub(super) struct LoadOptions {
+    /// Whether a metrics recorder is installed (`/metrics` served): then the cache's
+    /// configuration is recorded as an info gauge.
+    pub metrics: bool,
+    /// The tenants the API keys name, whose usage counters the engine keeps.
+    pub metrics_tenants: std::collections::BTreeSet<String>,
+}
+
+/// The model loaded and the engine configured, not yet started: what `serve` and `run-batch`
+/// build alike from a configuration.
+pub(super) struct LoadedEngine {
+    /// The engine's configuration (scheduler, LoRA, tokenizer threads, pending bounds).
+    engine_config: EngineConfig,
+    /// The backend, holding the weights and the KV cache.
+    backend: Box<dyn switchyard_gpu::backend::Backend>,
+    /// The model's tokenizer.
+    tokenizer: Arc<Tokenizer>,
+    /// The chat template (`model.chat_template` or the model's own), if any.
+    template: Option<Arc<ChatTemplate>>,
+    /// The name clients call the model by.
+    model_name: String,
+    /// The longest sequence served, in tokens.
+    max_model_len: usize,
+    /// The length of the embeddings served; `None` with `server.embeddings: false`.
+    embedding_size: Option<usize>,
+    /// How the model writes tool calls, and who writes tools into prompts.
+    tools: ToolSetup,
+    /// The reasoning tags read apart from chat answers, if any.
+    reasoning: Option<reasoning::ThinkTags>,
+    /// The reasoning tags' ids where they are special tokens.
+    reasoning_tokens: [Option<u32>; 2],
+}
+
+impl LoadedEngine {
+    /// The HTTP layer's settings for this model with `keys` (none: an open API).
+    pub(super) fn api_config(
+        &self,
+        config: &Config,
+        keys: Vec<switchyard_config::ApiKeyEntry>,
+    ) -> ApiConfig {
+        let mut api = api_config(config, keys, self.tools);
+        api.reasoning = self.reasoning;
+        api.reasoning_tokens = self.reasoning_tokens;
+        api
+    }
+
+    /// The engine's bound on requests in flight at once (`server.max_pending_requests`).
+    pub(super) fn max_pending_requests(&self) -> usize {
+        self.engine_config.max_pending_requests
+    }
+}
+
+/// Loads the model at `path` as `config` says, builds its backend and configures the engine
+/// for `tiers`: everything between the checks made without the model and the engine's start.
+pub(super) fn load_engine(
+    config: &Config,
+    path: &Path,
+    tiers: &[TierSpec],
+    options: LoadOptions,
+) -> anyhow::Result<LoadedEngine> {
     tracing::info!(model = %path.display(), "loading model");
-    let mut model = runtime::load(&path)?;
+    let mut model = runtime::load(path)?;
     if let Some(file) = &config.model.chat_template {
         let file = runtime::expand_home(Path::new(file));
         let template =
@@ -226,14 +360,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let max_model_len = checks::max_model_len(
         config.model.max_model_len,
         model.config.max_position_embeddings,
-        &path,
+        path,
     )?;
     // LongRoPE's factors for the context served (`model.max_model_len` when set).
     model.config.serve_context(max_model_len);
     let tokenizer = Arc::new(model.tokenizer.clone());
     let template = model.chat_template.take().map(Arc::new);
     let block_size = config.cache.block_size;
-    let settings = runtime::BackendSettings::from_config(&config);
+    let settings = runtime::BackendSettings::from_config(config);
     let (backend, _) = runtime::build_backend(
         config.model.backend,
         runtime::ModelSource::Loaded(&model.config, &model.weights),
@@ -269,7 +403,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         config.scheduler.max_num_batched_tokens,
         sliding_window,
     )?;
-    if prometheus.is_some() {
+    if options.metrics {
         cache_config_info(&config.cache, block_size, num_blocks);
     }
     let lora = config.lora.enabled.then(|| LoraManagerConfig {
@@ -300,7 +434,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .flatten()
         .filter(|n| !n.is_empty())
         .collect(),
-        tenant_shares: super::config::tier_lora_share_limits(&config),
+        tenant_shares: super::config::tier_lora_share_limits(config),
     });
     let vocab_size = model.config.vocab_size;
     let embedding_size = config.server.embeddings.then_some(model.config.hidden_size);
@@ -313,7 +447,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             num_gpu_blocks: num_blocks,
             enable_prefix_caching: config.cache.prefix_caching,
             max_model_len,
-            tiers: tiers.clone(),
+            tiers: tiers.to_vec(),
             max_logit_rows: MAX_LOGIT_ROWS,
             max_loras: config.lora.max_loras,
             speculative: runtime::speculative_from_config(config.speculative.as_ref())?,
@@ -332,109 +466,98 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         async_scheduling: runtime::async_mode(config.scheduler.async_scheduling),
         tokenizer_threads: 2,
         max_pending_requests: config.server.max_pending_requests,
-        tier_max_pending: super::config::tier_pending_limits(&config),
-        tier_max_pending_per_tenant: super::config::tier_pending_per_tenant_limits(&config),
-        metrics_tenants: key_tenants.into_iter().map(|(tenant, _)| tenant).collect(),
+        tier_max_pending: super::config::tier_pending_limits(config),
+        tier_max_pending_per_tenant: super::config::tier_pending_per_tenant_limits(config),
+        metrics_tenants: options.metrics_tenants,
     };
-    let api_is_open = api_keys.is_empty();
-    let mut api_config = api_config(&config, api_keys, tools);
-    api_config.reasoning = reasoning;
-    api_config.reasoning_tokens = reasoning_tokens;
-    let options = ServerOptions {
-        // The socket bound at the start.
-        bind: Vec::new(),
-        workers: config.server.workers,
-        shutdown_timeout: Duration::from_secs(config.server.drain_timeout_s),
-        client_request_timeout: Duration::from_secs(config.server.request_timeout_s),
-    };
-    let drain = Duration::from_secs(config.server.drain_timeout_s);
+    Ok(LoadedEngine {
+        engine_config,
+        backend,
+        tokenizer,
+        template,
+        model_name,
+        max_model_len,
+        embedding_size,
+        tools,
+        reasoning,
+        reasoning_tokens,
+    })
+}
+
+/// The engine [`start_engine`] started.
+pub(super) struct RunningEngine {
+    /// The engine behind the HTTP layer's port.
+    pub adapter: Arc<EngineAdapter>,
+    /// The adapters `lora.adapters` registered (name, directory), for SIGHUP's reload.
+    pub file_adapters: Vec<(String, std::path::PathBuf)>,
+}
+
+/// Starts the engine `loaded` describes with `policy` (built from `config`'s
+/// `scheduler.policy` for `tiers`), registers `lora.adapters`, and wraps it for the HTTP
+/// layer. Runs inside the actix system.
+pub(super) async fn start_engine(
+    loaded: LoadedEngine,
+    policy: Box<dyn Policy>,
+    config: &Config,
+    tiers: Vec<TierSpec>,
+) -> anyhow::Result<RunningEngine> {
+    let LoadedEngine {
+        engine_config,
+        backend,
+        tokenizer,
+        template,
+        model_name,
+        max_model_len,
+        embedding_size,
+        ..
+    } = loaded;
     let policy_info = PolicyInfo {
         name: config.scheduler.policy.name.clone(),
         params: policy_params(&config.scheduler.policy.params),
-        available: registry.names().iter().map(|s| s.to_string()).collect(),
+        available: PolicyRegistry::with_builtins()
+            .names()
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
     };
-    let config_path = args.config.clone();
-    let overrides = args.overrides.clone();
-    system.block_on(async move {
-        let engine =
-            ActorEngine::start(engine_config, backend, tokenizer.clone(), template, policy)?;
-        let drain_engine = engine.clone();
-        let mut file_adapters = Vec::new();
-        for a in &config.lora.adapters {
-            let path = switchyard_config::expand_home(&a.path);
-            let info = engine
-                .register_adapter(a.name.clone(), path.clone(), a.pinned)
-                .await
-                .map_err(|e| anyhow::anyhow!("lora.adapters `{}`: {e}", a.name))?;
-            tracing::info!(name = %info.name, rank = info.rank, pinned = info.pinned, "LoRA adapter served");
-            file_adapters.push((a.name.clone(), path));
-        }
-        let adapter = Arc::new(EngineAdapter {
-            engine,
-            tokenizer,
-            model_name,
-            max_model_len,
-            embedding_size,
-            ready: AtomicBool::new(true),
-            tiers: parking_lot::RwLock::new(tiers),
-            tier_priorities: parking_lot::RwLock::new(tier_priorities(&config)),
-            policy: Mutex::new(policy_info),
-            speculative: Arc::new(tokio::sync::Mutex::new(config.speculative.as_ref().map(
-                |s| SpeculativeSettings {
-                    method: match s.method {
-                        switchyard_config::SpeculativeMethod::Ngram => SpeculativeMethod::Ngram,
-                    },
-                    num_speculative_tokens: s.num_speculative_tokens,
-                    prompt_lookup_min: s.prompt_lookup_min,
-                    prompt_lookup_max: s.prompt_lookup_max,
-                    max_running: s.max_running,
+    let engine = ActorEngine::start(engine_config, backend, tokenizer.clone(), template, policy)?;
+    let mut file_adapters = Vec::new();
+    for a in &config.lora.adapters {
+        let path = switchyard_config::expand_home(&a.path);
+        let info = engine
+            .register_adapter(a.name.clone(), path.clone(), a.pinned)
+            .await
+            .map_err(|e| anyhow::anyhow!("lora.adapters `{}`: {e}", a.name))?;
+        tracing::info!(name = %info.name, rank = info.rank, pinned = info.pinned, "LoRA adapter served");
+        file_adapters.push((a.name.clone(), path));
+    }
+    let adapter = Arc::new(EngineAdapter {
+        engine,
+        tokenizer,
+        model_name,
+        max_model_len,
+        embedding_size,
+        ready: AtomicBool::new(true),
+        tiers: parking_lot::RwLock::new(tiers),
+        tier_priorities: parking_lot::RwLock::new(tier_priorities(config)),
+        policy: Mutex::new(policy_info),
+        speculative: Arc::new(tokio::sync::Mutex::new(config.speculative.as_ref().map(
+            |s| SpeculativeSettings {
+                method: match s.method {
+                    switchyard_config::SpeculativeMethod::Ngram => SpeculativeMethod::Ngram,
                 },
-            ))),
-            lora_enabled: config.lora.enabled,
-        });
-        metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
-        let state = ApiState::new(adapter.clone(), api_config, prometheus)
-            .with_response_store(Arc::clone(&responses));
-        // With TLS, new connections get the certificate the resolver holds: SIGHUP replaces it.
-        let tls = certificate.map(|key| Arc::new(CertificateResolver::new(key)));
-        let (server, addrs) = switchyard_api::build_server_on(
-            state.clone(),
-            &options,
-            vec![listener],
-            tls.clone(),
-        )?;
-        let handle = server.handle();
-        let scheme = if tls.is_some() { "https" } else { "http" };
-        for addr in &addrs {
-            tracing::info!(url = %format!("{scheme}://{addr}"), "serving");
-        }
-        let reloader = reload::Reloader::new(
-            adapter,
-            reload::Started {
-                api: state.clone(),
-                open: api_is_open,
-                path: config_path,
-                overrides,
-                config,
-                file_adapters,
-                tls,
+                num_speculative_tokens: s.num_speculative_tokens,
+                prompt_lookup_min: s.prompt_lookup_min,
+                prompt_lookup_max: s.prompt_lookup_max,
+                max_running: s.max_running,
             },
-        );
-        // Signals: SIGTERM/SIGINT drain then stop (a second one ends the drain); SIGHUP
-        // re-reads the policy section and the adapters (one reload at a time, in the
-        // background).
-        let shutdown = shutdown::Shutdown {
-            state,
-            engine: drain_engine,
-            handle,
-            drain,
-        };
-        actix_web::rt::spawn(shutdown::handle_signals(hangup, reloader, shutdown));
-        server.await?;
-        // Background responses that ended during the drain are in the journal before exit.
-        responses.sync();
-        tracing::info!("stopped");
-        anyhow::Ok(())
+        ))),
+        lora_enabled: config.lora.enabled,
+    });
+    metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
+    Ok(RunningEngine {
+        adapter,
+        file_adapters,
     })
 }
 
@@ -594,7 +717,7 @@ fn policy_error(e: PolicyError) -> EngineError {
 }
 
 /// Adapts the actor engine to the HTTP layer's port.
-struct EngineAdapter {
+pub(super) struct EngineAdapter {
     engine: ActorEngine,
     tokenizer: Arc<Tokenizer>,
     model_name: String,

@@ -1,0 +1,248 @@
+//! `switchyard run-batch` end to end: the real binary, SmolLM2 on the CPU, an OpenAI Batch
+//! file in and out. The answers are checked against what `serve` gives for the same bodies
+//! (a server started on the same configuration file) and against the greedy references.
+
+mod common;
+
+use common::{fails, golden, switchyard, temp_dir, Server};
+use serde_json::{json, Value};
+
+/// The scheduler of both the server and the batch.
+const SCHEDULER: &str = "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n";
+
+/// An input line.
+fn line(custom_id: &str, url: &str, body: Value) -> String {
+    json!({"custom_id": custom_id, "method": "POST", "url": url, "body": body}).to_string()
+}
+
+fn chat_body() -> Value {
+    json!({"model": "x", "messages": [{"role": "user", "content": "Write a haiku about trains."}],
+           "max_tokens": 12, "temperature": 0})
+}
+
+fn completion_body() -> Value {
+    json!({"model": "x", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 12, "temperature": 0})
+}
+
+fn embeddings_body() -> Value {
+    json!({"model": "x", "input": "A train crosses the valley."})
+}
+
+/// A body the API refuses (a negative `max_tokens`): its error must be the server's.
+fn refused_body() -> Value {
+    json!({"model": "x", "prompt": "Hello", "max_tokens": -1})
+}
+
+/// The output's lines as JSON.
+fn output_lines(text: &str) -> Vec<Value> {
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect()
+}
+
+#[test]
+fn a_batch_file_is_answered_in_order_as_serve_answers() {
+    let server = Server::start("run-batch", SCHEDULER);
+    let dir = temp_dir("run-batch", "e2e");
+    let input = [
+        line("chat", "/v1/chat/completions", chat_body()),
+        line("completion", "/v1/completions", completion_body()),
+        line("embedding", "/v1/embeddings", embeddings_body()),
+        "{\"custom_id\": \"broken\", \"method\": ".to_owned(),
+        line(
+            "streamed",
+            "/v1/chat/completions",
+            json!({"model": "x", "messages": [{"role": "user", "content": "Hi"}], "stream": true}),
+        ),
+        line(
+            "unknown-url",
+            "/v1/responses",
+            json!({"model": "x", "input": "Hi"}),
+        ),
+        String::new(),
+        line("refused", "/v1/completions", refused_body()),
+    ]
+    .join("\n");
+    let input_path = dir.join("requests.jsonl");
+    std::fs::write(&input_path, input + "\n").unwrap();
+    let output_path = dir.join("results.jsonl");
+    // The server's own configuration file: run-batch opens no socket, so its port is no matter.
+    let out = switchyard()
+        .arg("run-batch")
+        .arg("--config")
+        .arg(server.dir.join("config.yaml"))
+        .arg("-i")
+        .arg(&input_path)
+        .arg("-o")
+        .arg(&output_path)
+        .output()
+        .expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "run-batch failed:\n{stderr}");
+    assert!(
+        stderr.contains("run-batch: 7 lines, 3 succeeded, 4 failed"),
+        "{stderr}"
+    );
+    assert!(!dir.join("results.jsonl.partial").exists());
+    let lines = output_lines(&std::fs::read_to_string(&output_path).unwrap());
+    let ids: Vec<&str> = lines
+        .iter()
+        .map(|l| l["custom_id"].as_str().unwrap_or("<null>"))
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            "chat",
+            "completion",
+            "embedding",
+            "<null>",
+            "streamed",
+            "unknown-url",
+            "refused"
+        ]
+    );
+    for l in &lines {
+        assert!(
+            l["id"]
+                .as_str()
+                .is_some_and(|id| id.starts_with("batch_req_")),
+            "{l}"
+        );
+        assert_eq!(l.as_object().map(|o| o.len()), Some(4), "{l}");
+    }
+    let status = |i: usize| lines[i]["response"]["status_code"].as_u64();
+    assert_eq!(
+        (0..7).map(status).collect::<Vec<_>>(),
+        [
+            Some(200),
+            Some(200),
+            Some(200),
+            None,
+            Some(400),
+            None,
+            Some(400)
+        ]
+    );
+
+    // The chat answer: the server's for the same body, and the greedy reference's prefix.
+    let model = server.model_id();
+    let with_model = |mut body: Value| {
+        body["model"] = json!(model);
+        body
+    };
+    let batch_chat = &lines[0]["response"]["body"];
+    let (code, served_chat) = server.post_json("/v1/chat/completions", &with_model(chat_body()));
+    assert_eq!(code, 200, "{served_chat}");
+    assert_eq!(batch_chat["choices"], served_chat["choices"]);
+    assert_eq!(batch_chat["usage"], served_chat["usage"]);
+    assert_eq!(batch_chat["object"], "chat.completion");
+    assert_eq!(
+        lines[0]["response"]["request_id"], batch_chat["id"],
+        "a completion's request id is its id, as serve's x-request-id"
+    );
+    let content = batch_chat["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
+    let reference = golden("chat-haiku")["completion"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        !content.is_empty() && reference.starts_with(content),
+        "{content:?} is not a prefix of the reference {reference:?}"
+    );
+
+    // The completion and the embedding: the server's answers.
+    let (code, served) = server.post_json("/v1/completions", &with_model(completion_body()));
+    assert_eq!(code, 200, "{served}");
+    assert_eq!(lines[1]["response"]["body"]["choices"], served["choices"]);
+    let (code, served) = server.post_json("/v1/embeddings", &with_model(embeddings_body()));
+    assert_eq!(code, 200, "{served}");
+    assert_eq!(lines[2]["response"]["body"]["data"], served["data"]);
+    assert_eq!(lines[2]["response"]["body"]["usage"], served["usage"]);
+
+    // Lines that are no batch lines: an error naming the line, and no response.
+    assert_eq!(lines[3]["response"], Value::Null);
+    assert_eq!(lines[3]["error"]["code"], "invalid_json_line");
+    assert!(
+        lines[3]["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("line 4: ")),
+        "{}",
+        lines[3]
+    );
+    assert_eq!(lines[5]["response"], Value::Null);
+    assert_eq!(lines[5]["error"]["code"], "invalid_url");
+    assert!(
+        lines[5]["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("line 6: ")),
+        "{}",
+        lines[5]
+    );
+
+    // A stream is refused as a request: the API's error body, naming the field.
+    assert_eq!(lines[4]["error"], Value::Null);
+    assert_eq!(
+        lines[4]["response"]["body"]["error"]["param"], "stream",
+        "{}",
+        lines[4]
+    );
+    assert_eq!(
+        lines[4]["response"]["body"]["error"]["type"],
+        "invalid_request_error"
+    );
+
+    // A request the API refuses: the server's status and error body.
+    let (code, served) = server.post_json("/v1/completions", &with_model(refused_body()));
+    assert_eq!(code, 400, "{served}");
+    assert_eq!(lines[6]["response"]["body"], served);
+    assert_eq!(lines[6]["error"], Value::Null);
+    // Blank line 7 is no request; the refused line is line 8 of the file.
+    assert_eq!(lines[6]["custom_id"], "refused");
+}
+
+#[test]
+fn a_file_with_a_duplicate_custom_id_is_refused_before_anything_runs() {
+    let dir = temp_dir("run-batch", "duplicate");
+    let input_path = dir.join("requests.jsonl");
+    let input = [
+        line("a", "/v1/completions", completion_body()),
+        line("b", "/v1/completions", completion_body()),
+        line("a", "/v1/embeddings", embeddings_body()),
+    ]
+    .join("\n");
+    std::fs::write(&input_path, input).unwrap();
+    // No model is read: the configuration is not even opened.
+    let output_path = dir.join("out.jsonl");
+    let err = fails(
+        switchyard()
+            .arg("run-batch")
+            .arg("--config")
+            .arg(dir.join("missing.yaml"))
+            .arg("-i")
+            .arg(&input_path)
+            .arg("-o")
+            .arg(&output_path),
+    );
+    assert!(
+        err.contains("lines 1 and 3 have the same custom_id `a`"),
+        "{err}"
+    );
+    assert!(!output_path.exists());
+    assert!(!dir.join("out.jsonl.partial").exists());
+}
+
+#[test]
+fn a_url_as_input_is_refused() {
+    let dir = temp_dir("run-batch", "url");
+    let err = fails(
+        switchyard()
+            .arg("run-batch")
+            .arg("--config")
+            .arg(dir.join("missing.yaml"))
+            .args(["-i", "https://example.com/requests.jsonl", "-o"])
+            .arg(dir.join("out.jsonl")),
+    );
+    assert!(err.contains("fetches nothing from the network"), "{err}");
+}
