@@ -16,21 +16,21 @@ fn line(custom_id: &str, url: &str, body: Value) -> String {
 }
 
 fn chat_body() -> Value {
-    json!({"model": "x", "messages": [{"role": "user", "content": "Write a haiku about trains."}],
+    json!({"messages": [{"role": "user", "content": "Write a haiku about trains."}],
            "max_tokens": 12, "temperature": 0})
 }
 
 fn completion_body() -> Value {
-    json!({"model": "x", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 12, "temperature": 0})
+    json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 12, "temperature": 0})
 }
 
 fn embeddings_body() -> Value {
-    json!({"model": "x", "input": "A train crosses the valley."})
+    json!({"input": "A train crosses the valley."})
 }
 
 /// A body the API refuses (a negative `max_tokens`): its error must be the server's.
 fn refused_body() -> Value {
-    json!({"model": "x", "prompt": "Hello", "max_tokens": -1})
+    json!({"prompt": "Hello", "max_tokens": -1})
 }
 
 /// The output's lines as JSON.
@@ -52,13 +52,9 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
         line(
             "streamed",
             "/v1/chat/completions",
-            json!({"model": "x", "messages": [{"role": "user", "content": "Hi"}], "stream": true}),
+            json!({"messages": [{"role": "user", "content": "Hi"}], "stream": true}),
         ),
-        line(
-            "unknown-url",
-            "/v1/responses",
-            json!({"model": "x", "input": "Hi"}),
-        ),
+        line("unknown-url", "/v1/responses", json!({"input": "Hi"})),
         String::new(),
         line("refused", "/v1/completions", refused_body()),
     ]
@@ -125,13 +121,8 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     );
 
     // The chat answer: the server's for the same body, and the greedy reference's prefix.
-    let model = server.model_id();
-    let with_model = |mut body: Value| {
-        body["model"] = json!(model);
-        body
-    };
     let batch_chat = &lines[0]["response"]["body"];
-    let (code, served_chat) = server.post_json("/v1/chat/completions", &with_model(chat_body()));
+    let (code, served_chat) = server.post_json("/v1/chat/completions", &chat_body());
     assert_eq!(code, 200, "{served_chat}");
     assert_eq!(batch_chat["choices"], served_chat["choices"]);
     assert_eq!(batch_chat["usage"], served_chat["usage"]);
@@ -153,10 +144,10 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     );
 
     // The completion and the embedding: the server's answers.
-    let (code, served) = server.post_json("/v1/completions", &with_model(completion_body()));
+    let (code, served) = server.post_json("/v1/completions", &completion_body());
     assert_eq!(code, 200, "{served}");
     assert_eq!(lines[1]["response"]["body"]["choices"], served["choices"]);
-    let (code, served) = server.post_json("/v1/embeddings", &with_model(embeddings_body()));
+    let (code, served) = server.post_json("/v1/embeddings", &embeddings_body());
     assert_eq!(code, 200, "{served}");
     assert_eq!(lines[2]["response"]["body"]["data"], served["data"]);
     assert_eq!(lines[2]["response"]["body"]["usage"], served["usage"]);
@@ -194,7 +185,7 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     );
 
     // A request the API refuses: the server's status and error body.
-    let (code, served) = server.post_json("/v1/completions", &with_model(refused_body()));
+    let (code, served) = server.post_json("/v1/completions", &refused_body());
     assert_eq!(code, 400, "{served}");
     assert_eq!(lines[6]["response"]["body"], served);
     assert_eq!(lines[6]["error"], Value::Null);

@@ -5,6 +5,9 @@
 //! Everything the configuration can get wrong is checked before the (slow) model load, except
 //! what needs the model (`model.max_model_len` against its context, and against the KV cache
 //! the backend sized). Signals are handled in [`shutdown`], SIGHUP's reload in [`reload`].
+//! The model's load and the engine's configuration ([`load_engine`]) and the engine's start
+//! ([`start_engine`]) are shared with `run-batch`, which answers batch files through the same
+//! engine and HTTP layer.
 
 mod checks;
 mod reload;
