@@ -2848,12 +2848,19 @@ mod tests {
     struct Shared(Arc<parking_lot::Mutex<GrammarConstraint>>);
 
     impl Shared {
-        /// The one constraint [`GrammarCompiler::compile`] gives for `spec`.
-        fn compile(compiler: &GrammarCompiler, spec: &StructuredOutput, end: u32) -> Self {
-            let mut gs = compiler
-                .grammar_constraints(spec, &[end], 1)
+        /// The `n` constraints (choices) [`GrammarCompiler::compile`] gives for `spec`.
+        fn compile(
+            compiler: &GrammarCompiler,
+            spec: &StructuredOutput,
+            end: u32,
+            n: usize,
+        ) -> Vec<Self> {
+            let gs = compiler
+                .grammar_constraints(spec, &[end], n)
                 .expect("compiles");
-            Shared(Arc::new(parking_lot::Mutex::new(gs.remove(0))))
+            gs.into_iter()
+                .map(|g| Shared(Arc::new(parking_lot::Mutex::new(g))))
+                .collect()
         }
 
         /// A [`Constraint`] driving it.
@@ -3032,9 +3039,20 @@ mod tests {
                     assert!(f.contains(words), "{f}");
                 }
                 let junk = |round: usize, next: u32| random(round as u64 + 100, 4, next);
-                let g = Shared::compile(&compiler, &spec, end);
+                // Two choices of one request: the first's drafts, replays and limits leave
+                // the second's lexer as it was (each has its own), so it then goes one token
+                // per step as a fresh constraint does.
+                let choices = Shared::compile(&compiler, &spec, end, 2);
+                let (g, other) = (&choices[0], &choices[1]);
                 let got = speculate(&g.constraint(), vocab, end, &path, &plain, junk);
                 assert_eq!(got, plain.1, "{limits:?} along {path:?}");
+                let second = one_token_per_step(&other.constraint(), vocab, &path);
+                assert!(
+                    second == plain,
+                    "{limits:?}: the second choice ends {:?}, not {:?}",
+                    second.1,
+                    plain.1
+                );
                 outcomes.push(plain.1.is_some());
                 // What the replays cost: at most three times the output (the tokens kept).
                 let g = g.0.lock();
