@@ -1094,6 +1094,23 @@ fn get_compiler<'a>(
 }
 
 /// One sequence's grammar state.
+///
+/// Against llguidance's lexer limits (see the module's doc) it keeps the lexer of `matcher`
+/// to what one token per step builds, or knows that it does not, in one of three states:
+/// - clean (neither `polluted` nor `isolated`): the lexer holds the states of the kept tokens
+///   and of the drafts being committed (one path). A lexer limit is one token per step's:
+///   along drafts it goes with them ([`GrammarConstraint::back_before`] rebuilds the state
+///   before them on a lexer of its own), on kept tokens it is the request's.
+/// - `polluted` (drafts were taken back through `matcher`, [`TokenConstraint::rollback`]): a
+///   lexer limit may be the drafts', so it is first checked one token per step on a lexer of
+///   its own ([`GrammarConstraint::recheck`]), which leaves the constraint clean, and fails
+///   only where that fails.
+/// - `isolated` (replays came faster than the output doubles, [`GrammarConstraint::replayed`]):
+///   each round's drafts go through a deep copy ([`Drafts::saved`]), so `matcher` stays clean
+///   for the rest of the sequence and needs no replay.
+///
+/// In the clean and isolated states `masked` keeps the masks one token per step computes
+/// (they build lexer states too): a commit that comes without one computes it first.
 struct GrammarConstraint {
     matcher: Matcher,
     end_ids: Arc<[u32]>,
