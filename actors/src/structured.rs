@@ -656,6 +656,20 @@ impl GrammarCompiler {
         end_ids: &[u32],
         n: usize,
     ) -> Result<Vec<Constraint>, String> {
+        Ok(self
+            .grammar_constraints(spec, end_ids, n)?
+            .into_iter()
+            .map(Constraint::new)
+            .collect())
+    }
+
+    /// [`GrammarCompiler::compile`]'s constraints, before they are wrapped.
+    fn grammar_constraints(
+        &self,
+        spec: &StructuredOutput,
+        end_ids: &[u32],
+        n: usize,
+    ) -> Result<Vec<GrammarConstraint>, String> {
         spec.check_bounds()?;
         check_work(spec).map_err(|e| format!("invalid structured output specification: {e}"))?;
         let t0 = std::time::Instant::now();
@@ -736,11 +750,7 @@ impl GrammarCompiler {
         let pristine = Arc::new(matcher);
         Ok((0..n)
             .map(|_| {
-                Constraint::new(GrammarConstraint::new(
-                    pristine.deep_clone(),
-                    end_ids.clone(),
-                    pristine.clone(),
-                ))
+                GrammarConstraint::new(pristine.deep_clone(), end_ids.clone(), pristine.clone())
             })
             .collect())
     }
@@ -1084,6 +1094,23 @@ fn get_compiler<'a>(
 }
 
 /// One sequence's grammar state.
+///
+/// Against llguidance's lexer limits (see the module's doc) it keeps the lexer of `matcher`
+/// to what one token per step builds, or knows that it does not, in one of three states:
+/// - clean (neither `polluted` nor `isolated`): the lexer holds the states of the kept tokens
+///   and of the drafts being committed (one path). A lexer limit is one token per step's:
+///   along drafts it goes with them ([`GrammarConstraint::back_before`] rebuilds the state
+///   before them on a lexer of its own), on kept tokens it is the request's.
+/// - `polluted` (drafts were taken back through `matcher`, [`TokenConstraint::rollback`]): a
+///   lexer limit may be the drafts', so it is first checked one token per step on a lexer of
+///   its own ([`GrammarConstraint::recheck`]), which leaves the constraint clean, and fails
+///   only where that fails.
+/// - `isolated` (replays came faster than the output doubles, [`GrammarConstraint::replayed`]):
+///   each round's drafts go through a deep copy ([`Drafts::saved`]), so `matcher` stays clean
+///   for the rest of the sequence and needs no replay.
+///
+/// In the clean and isolated states `masked` keeps the masks one token per step computes
+/// (they build lexer states too): a commit that comes without one computes it first.
 struct GrammarConstraint {
     matcher: Matcher,
     end_ids: Arc<[u32]>,
@@ -1120,6 +1147,9 @@ struct GrammarConstraint {
     isolated: bool,
     /// How many tokens the last [`replay`] from a fresh lexer went through.
     replayed_at: Option<usize>,
+    /// How many tokens every [`replay`] so far went through, together (their bound is tested).
+    #[cfg(test)]
+    replayed_tokens: usize,
     /// Whether the mask where `matcher` stands was computed. One token per step computes the
     /// mask before each token, which builds lexer states of its own; where commits come
     /// without one (the accepted drafts, committed again after they were taken back) while
@@ -1228,6 +1258,8 @@ impl GrammarConstraint {
             polluted: false,
             isolated: false,
             replayed_at: None,
+            #[cfg(test)]
+            replayed_tokens: 0,
             masked: false,
         }
     }
@@ -1444,6 +1476,10 @@ impl GrammarConstraint {
             self.isolated = true;
         }
         self.replayed_at = Some(at);
+        #[cfg(test)]
+        {
+            self.replayed_tokens += at;
+        }
     }
 
     /// Puts back the state before the drafts `d`, which led to a failure (the matcher may be
@@ -1453,7 +1489,7 @@ impl GrammarConstraint {
         self.recent = std::mem::take(&mut d.recent);
         self.consumed.truncate(d.read);
         if let Some((m, masked)) = d.saved.take() {
-            // Isolated: the drafts went through a copy.
+            // The drafts went through a copy (isolated, or since a recheck among them).
             self.matcher = m;
             self.masked = masked;
             return true;
@@ -1630,9 +1666,9 @@ impl TokenConstraint for GrammarConstraint {
                 return self.failure.is_none();
             }
             if d.saved.is_some() {
-                // Isolated: the drafts went through a copy; the matcher before them goes
-                // back, then the commits before the `n` taken back (any taken back from
-                // before the drafts are taken back from it).
+                // The drafts went through a copy (isolated, or since a recheck among them):
+                // the matcher before them goes back, then the commits before the `n` taken
+                // back (any taken back from before the drafts are taken back from it).
                 let commits = std::mem::take(&mut d.commits);
                 if !self.back_before(&mut d, false) {
                     return false;
@@ -2824,6 +2860,53 @@ mod tests {
         assert_eq!(g.failure(), Some(failure));
     }
 
+    /// A [`GrammarConstraint`] that the test can look into while a [`Constraint`] drives it.
+    #[derive(Clone)]
+    struct Shared(Arc<parking_lot::Mutex<GrammarConstraint>>);
+
+    impl Shared {
+        /// The `n` constraints (choices) [`GrammarCompiler::compile`] gives for `spec`.
+        fn compile(
+            compiler: &GrammarCompiler,
+            spec: &StructuredOutput,
+            end: u32,
+            n: usize,
+        ) -> Vec<Self> {
+            let gs = compiler
+                .grammar_constraints(spec, &[end], n)
+                .expect("compiles");
+            gs.into_iter()
+                .map(|g| Shared(Arc::new(parking_lot::Mutex::new(g))))
+                .collect()
+        }
+
+        /// A [`Constraint`] driving it.
+        fn constraint(&self) -> Constraint {
+            Constraint::new(self.clone())
+        }
+    }
+
+    impl TokenConstraint for Shared {
+        fn fill_allowed(&mut self, allowed: &mut [u32]) {
+            self.0.lock().fill_allowed(allowed);
+        }
+        fn commit(&mut self, token: u32) {
+            self.0.lock().commit(token);
+        }
+        fn can_roll_back(&self) -> bool {
+            self.0.lock().can_roll_back()
+        }
+        fn rollback(&mut self, n: usize) -> bool {
+            self.0.lock().rollback(n)
+        }
+        fn begin_drafts(&mut self) {
+            self.0.lock().begin_drafts();
+        }
+        fn failure(&self) -> Option<String> {
+            self.0.lock().failure()
+        }
+    }
+
     /// One token per step along `path` until it fails: the allowed set before each token, and
     /// after a failure the one after it (only the end ids); and the failure.
     fn one_token_per_step(
@@ -2934,6 +3017,7 @@ mod tests {
         };
         let spec = StructuredOutput::Grammar("start: /(a|b)*a(a|b){12}/\n".into());
         let mut outcomes = Vec::new();
+        let mut replays = Vec::new();
         let states = |n| ParserLimits {
             max_lexer_states: n,
             ..ParserLimits::default()
@@ -2972,9 +3056,30 @@ mod tests {
                     assert!(f.contains(words), "{f}");
                 }
                 let junk = |round: usize, next: u32| random(round as u64 + 100, 4, next);
-                let got = speculate(&fresh(), vocab, end, &path, &plain, junk);
+                // Two choices of one request: the first's drafts, replays and limits leave
+                // the second's lexer as it was (each has its own), so it then goes one token
+                // per step as a fresh constraint does.
+                let choices = Shared::compile(&compiler, &spec, end, 2);
+                let (g, other) = (&choices[0], &choices[1]);
+                let got = speculate(&g.constraint(), vocab, end, &path, &plain, junk);
                 assert_eq!(got, plain.1, "{limits:?} along {path:?}");
+                let second = one_token_per_step(&other.constraint(), vocab, &path);
+                assert!(
+                    second == plain,
+                    "{limits:?}: the second choice ends {:?}, not {:?}",
+                    second.1,
+                    plain.1
+                );
                 outcomes.push(plain.1.is_some());
+                // What the replays cost: at most three times the output (the tokens kept).
+                let g = g.0.lock();
+                assert!(
+                    g.replayed_tokens <= 3 * g.consumed.len(),
+                    "{limits:?}: {} tokens replayed for {}",
+                    g.replayed_tokens,
+                    g.consumed.len()
+                );
+                replays.push((g.replayed_at.is_some(), g.isolated, plain.1.is_some()));
             }
         }
         // Whether one token per step fails, per limit (along `a`s, then along the random
@@ -2986,6 +3091,15 @@ mod tests {
                 false
             ]
         );
+        // The paths went through both states of a constraint that replays: drafts through
+        // the matcher after a replay, and isolated (drafts through a copy), each with and
+        // without a failure in the end.
+        for (isolated, failed) in [(false, false), (false, true), (true, false), (true, true)] {
+            assert!(
+                replays.contains(&(true, isolated, failed)),
+                "isolated {isolated}, failed {failed}: {replays:?}"
+            );
+        }
     }
 
     #[test]

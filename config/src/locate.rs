@@ -106,18 +106,21 @@ fn locate_block(text: &str, path: &str) -> Option<usize> {
         }
         let (mut line_no, mut indent) = hit?;
         if let Some(n) = index {
-            // Walk to the n-th `- ` item below the key.
+            // Walk to the n-th `- ` item below the key: the dashes indented as the first one
+            // (deeper ones are items of a list inside an item).
             let mut seen = 0usize;
             let mut item = None;
+            let mut dash_indent = None;
             for (i, line) in lines.iter().enumerate().skip(line_no + 1) {
                 let ind = line.len() - line.trim_start().len();
                 if line.trim().is_empty() || line.trim_start().starts_with('#') {
                     continue;
                 }
-                if ind <= indent && !line.trim_start().starts_with("- ") {
+                let dash = line.trim_start().starts_with("- ");
+                if (ind <= indent && !dash) || dash_indent.is_some_and(|d| ind < d) {
                     break;
                 }
-                if line.trim_start().starts_with("- ") {
+                if dash && *dash_indent.get_or_insert(ind) == ind {
                     if seen == n {
                         item = Some((i, ind));
                         break;
@@ -223,6 +226,23 @@ mod tests {
         assert_eq!(locate(text, "server.api_keys[0].tier"), None);
         assert_eq!(locate(text, "server.api_keys[1].tier"), Some(5));
         assert_eq!(locate(text, "server.api_keys[1].key"), Some(4));
+    }
+
+    /// The items of a list are its own dashes, not those of a list inside an item (an API
+    /// key's `adapters` written in block style): item 1 is the second key, not the first
+    /// key's second adapter.
+    #[test]
+    fn a_list_inside_an_item_lends_no_items() {
+        let text = "server:\n  api_keys:\n    - key: aaaaaaaa\n      adapters:\n        - x\n        - y\n    - key: bbbbbbbb\n      tier: gold\n    - key: cccccccc\n";
+        assert_eq!(locate(text, "server.api_keys[1].tier"), Some(8));
+        assert_eq!(locate(text, "server.api_keys[1].key"), Some(7));
+        assert_eq!(locate(text, "server.api_keys[2].key"), Some(9));
+        assert_eq!(locate(text, "server.api_keys[0].adapters[1]"), Some(6));
+        assert_eq!(locate(text, "server.api_keys[3].key"), None);
+        // The dash at the key's own indentation, with an item's list below it.
+        let text = "server:\n  api_keys:\n  - key: aaaaaaaa\n    adapters:\n    - x\n  - key: bbbbbbbb\n    tier: gold\n";
+        assert_eq!(locate(text, "server.api_keys[1].tier"), Some(7));
+        assert_eq!(locate(text, "server.api_keys[0].adapters[0]"), Some(5));
     }
 
     #[test]

@@ -397,7 +397,8 @@ impl TraceReuse {
 mod tests {
     use super::*;
 
-    const SHAPE: RowShape = RowShape {
+    /// Bounds wide enough for every test's rows (also the start check's tests').
+    pub(super) const SHAPE: RowShape = RowShape {
         block_tokens: 512,
         max_input: 1 << 20,
         max_output: 1 << 20,

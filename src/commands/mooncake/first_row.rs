@@ -142,15 +142,8 @@ impl FirstRowCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::commands::mooncake::{read_rows, RowShape};
-
-    const SHAPE: RowShape = RowShape {
-        block_tokens: 512,
-        max_input: 1 << 20,
-        max_output: 1 << 20,
-        max_row_tokens: 1 << 20,
-        max_total_ids: 1 << 24,
-    };
+    use crate::commands::mooncake::read_rows;
+    use crate::commands::mooncake::tests::SHAPE;
 
     /// [`FirstRowCheck`] fed `text` in pieces of `piece` bytes, as [`read_dataset`] feeds it
     /// what it has read (the whole file last, said to be all of it).
