@@ -667,7 +667,7 @@ fn bench_throughput_refuses_a_dataset_at_its_start_before_the_model_loads() {
         (
             "mooncake",
             zero,
-            "/dev/zero: not JSON Lines of objects (its first character is byte 0x00, not `{`)"
+            "/dev/zero:1: not JSON Lines of objects (its first character is byte 0x00, not `{`)"
                 .to_string(),
         ),
         (
@@ -682,7 +682,7 @@ fn bench_throughput_refuses_a_dataset_at_its_start_before_the_model_loads() {
             "mooncake",
             &trace,
             format!(
-                "{}: not JSON Lines of objects (its first character is `[`, not `{{`)",
+                "{}:1: not JSON Lines of objects (its first character is `[`, not `{{`)",
                 trace.display()
             ),
         ),
@@ -890,7 +890,7 @@ fn bench_serve_refuses_a_dataset_at_its_start_and_reads_pipes() {
     for (dataset, why) in [
         (
             "mooncake",
-            "/dev/zero: not JSON Lines of objects (its first character is byte 0x00, not `{`)",
+            "/dev/zero:1: not JSON Lines of objects (its first character is byte 0x00, not `{`)",
         ),
         (
             "sharegpt",
