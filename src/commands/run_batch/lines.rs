@@ -148,6 +148,13 @@ pub fn parse_line(line: InputLine<'_>, max_line_bytes: usize) -> Result<BatchReq
         code,
         message: format!("line {n}: {message}"),
     };
+    let missing = |custom_id: Option<String>, field: &str| {
+        error(
+            custom_id,
+            "missing_required_parameter",
+            format!("{field} is missing"),
+        )
+    };
     if line.bytes.len() > max_line_bytes {
         return Err(error(
             None,
@@ -177,13 +184,7 @@ pub fn parse_line(line: InputLine<'_>, max_line_bytes: usize) -> Result<BatchReq
                 "custom_id must be a string".to_owned(),
             ))
         }
-        None => {
-            return Err(error(
-                None,
-                "missing_required_parameter",
-                "custom_id is missing".to_owned(),
-            ))
-        }
+        None => return Err(missing(None, "custom_id")),
     };
     let id = Some(custom_id.clone());
     match fields.get("method") {
@@ -195,13 +196,7 @@ pub fn parse_line(line: InputLine<'_>, max_line_bytes: usize) -> Result<BatchReq
                 format!("method must be \"POST\", not {}", short(other)),
             ))
         }
-        None => {
-            return Err(error(
-                id,
-                "missing_required_parameter",
-                "method is missing".to_owned(),
-            ))
-        }
+        None => return Err(missing(id, "method")),
     }
     let url = match fields.get("url") {
         Some(Value::String(u)) => match URLS.iter().find(|known| *known == u) {
@@ -225,13 +220,7 @@ pub fn parse_line(line: InputLine<'_>, max_line_bytes: usize) -> Result<BatchReq
                 format!("url must be a string, not {}", short(other)),
             ))
         }
-        None => {
-            return Err(error(
-                id,
-                "missing_required_parameter",
-                "url is missing".to_owned(),
-            ))
-        }
+        None => return Err(missing(id, "url")),
     };
     let body = match fields.remove("body") {
         Some(Value::Object(body)) => body,
@@ -242,13 +231,7 @@ pub fn parse_line(line: InputLine<'_>, max_line_bytes: usize) -> Result<BatchReq
                 "body must be a JSON object".to_owned(),
             ))
         }
-        None => {
-            return Err(error(
-                id,
-                "missing_required_parameter",
-                "body is missing".to_owned(),
-            ))
-        }
+        None => return Err(missing(id, "body")),
     };
     Ok(BatchRequest {
         number: n,
