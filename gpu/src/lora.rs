@@ -789,14 +789,17 @@ fn read_header(path: &Path, max: u64) -> Result<Metadata, GpuError> {
     let text = std::str::from_utf8(&header).map_err(|e| bad(SafeTensorError::InvalidHeader(e)))?;
     // Parsed, then checked (offsets, sizes), as `SafeTensors::read_metadata` does it, so that
     // a header of valid JSON but wrong figures is refused with the load's words, not as JSON.
+    // Named as the crate's own (private) header struct is: serde's messages name the Rust
+    // type ("invalid type: integer `0`, expected struct HashMetadata"; a `serde(rename)` does
+    // not reach them), and the check's must read as the load's.
     #[derive(serde::Deserialize)]
-    struct Header {
+    struct HashMetadata {
         #[serde(rename = "__metadata__")]
         metadata: Option<HashMap<String, String>>,
         #[serde(flatten)]
         tensors: HashMap<String, TensorInfo>,
     }
-    let parsed: Header = serde_json::from_str(text)
+    let parsed: HashMetadata = serde_json::from_str(text)
         .map_err(|e| bad(SafeTensorError::InvalidHeaderDeserialization(e)))?;
     let mut tensors: Vec<(String, TensorInfo)> = parsed.tensors.into_iter().collect();
     tensors.sort_by_key(|(_, a)| a.data_offsets);
