@@ -909,6 +909,7 @@ impl StepCore {
             HashMap::new()
         };
         for o in outputs {
+            self.follow_constraint_on_drafts(RequestId(o.seq_id));
             // Neither prompt logprobs nor a hidden state for a request that ended (aborted)
             // while the step ran: the scheduler drops that step's token, and nothing more is
             // reported of the request.
@@ -987,6 +988,32 @@ impl StepCore {
         }
         self.note_pool_errors();
         events
+    }
+}
+
+impl StepCore {
+    /// Feeds no more drafts to a request whose constraint stopped wanting them
+    /// ([`Constraint::wants_drafts`]: a grammar that must copy its matcher for every draft
+    /// round, which would slow every sequence's step). Read as a step's outputs are applied,
+    /// after the backend's calls on the constraint for that step; the backend still verifies
+    /// the drafts of steps already planned, so what it samples is unchanged (one token per
+    /// step's), and the request's steps may be planned ahead from then on.
+    ///
+    /// [`Constraint::wants_drafts`]: switchyard_gpu::Constraint::wants_drafts
+    fn follow_constraint_on_drafts(&mut self, id: RequestId) {
+        let Some(l) = self.live.get_mut(&id) else {
+            return;
+        };
+        if l.speculate
+            && l.sampling
+                .constraint
+                .as_ref()
+                .is_some_and(|c| !c.wants_drafts())
+        {
+            l.speculate = false;
+            self.scheduler.stop_drafts(id);
+            tracing::debug!(id = id.0, "no more drafts: its constraint wants none");
+        }
     }
 }
 
@@ -1299,6 +1326,12 @@ mod tests {
                         top_logprobs: Vec::new(),
                     });
                     last = d;
+                }
+                // A constraint is told the tokens kept, as a backend does after the draw (it
+                // allows every token here).
+                if let Some(c) = s.sampling.constraint.as_ref().filter(|_| s.sample) {
+                    c.commit_all(&s.tokens[known..known + accepted.len()]);
+                    c.commit(last + 1);
                 }
                 out.push(SeqOutput {
                     seq_id: s.seq_id,
@@ -1862,6 +1895,109 @@ mod tests {
         .err()
         .expect("refused");
         assert!(err.to_string().contains("draft"), "{err}");
+    }
+
+    /// Allows every token and wants drafts until it has been told `drafts_until` tokens.
+    struct CostlyDrafts {
+        drafts_until: usize,
+        told: usize,
+    }
+
+    impl switchyard_gpu::TokenConstraint for CostlyDrafts {
+        fn fill_allowed(&mut self, allowed: &mut [u32]) {
+            allowed.fill(u32::MAX);
+        }
+        fn commit(&mut self, _: u32) {
+            self.told += 1;
+        }
+        fn can_roll_back(&self) -> bool {
+            true
+        }
+        fn rollback(&mut self, n: usize) -> bool {
+            self.told -= n.min(self.told);
+            true
+        }
+        fn wants_drafts(&self) -> bool {
+            self.told < self.drafts_until
+        }
+    }
+
+    /// A request whose constraint stops wanting drafts (a grammar whose drafts went costly)
+    /// is fed none from the next step on, with asynchronous scheduling or without; the other
+    /// requests keep theirs, and the outputs are those of one token per step.
+    #[test]
+    fn a_constraint_that_wants_no_more_drafts_gets_none() {
+        let spec = switchyard_policies::SpeculativeConfig {
+            num_speculative_tokens: 3,
+            prompt_lookup_min: 1,
+            prompt_lookup_max: 2,
+            max_running: 0,
+        };
+        // The model counts up; the prompt holds runs it repeats, apart: drafts at several
+        // steps.
+        let prompt = vec![1, 2, 3, 4, 50, 6, 7, 8, 50, 10, 11, 12, 50, 1, 2];
+        let run = |drafts_until: Option<usize>, pipelined: bool| {
+            let backend = NextTokenBackend {
+                verifies: true,
+                pipelines: pipelined,
+                ..NextTokenBackend::default()
+            };
+            let fed = backend.fed.clone();
+            let mut e =
+                engine_with(backend, Some(spec.clone())).with_async_scheduling(AsyncScheduling::On);
+            let mut r = request(1, prompt.clone(), 14, None);
+            if let Some(n) = drafts_until {
+                let sampling = SamplingParams {
+                    constraint: Some(switchyard_gpu::Constraint::new(CostlyDrafts {
+                        drafts_until: n,
+                        told: 0,
+                    })),
+                    ..SamplingParams::default()
+                };
+                r.sampling = Arc::new(sampling);
+            }
+            e.core().add_request(r).unwrap();
+            e.core()
+                .add_request(request(2, vec![20, 21, 22, 40, 20, 21, 20], 8, None))
+                .unwrap();
+            let events = run_to_end(&mut e);
+            // The positions each request was fed drafts after (its last known token's).
+            let mut drafted: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+            for (id, start, tokens) in fed.lock().unwrap().iter() {
+                let prompt_len = if *id == 1 { prompt.len() } else { 7 };
+                if *start >= prompt_len && tokens.len() > 1 {
+                    drafted.entry(*id).or_default().push(*start);
+                }
+            }
+            (per_request(&events), drafted)
+        };
+        let (always, drafted_always) = run(None, false);
+        assert!(drafted_always[&1].len() >= 3, "{drafted_always:?}");
+        assert!(drafted_always.contains_key(&2), "{drafted_always:?}");
+        for pipelined in [false, true] {
+            for until in [1, 3] {
+                let (out, drafted) = run(Some(until), pipelined);
+                assert_eq!(out, always, "until {until}, pipelined {pipelined}");
+                // Fed drafts only while it had been told fewer than `until` tokens: the
+                // outputs before the fed position's, and that one.
+                let told = |start: usize| start - prompt.len() + 1;
+                let ones = drafted.get(&1).cloned().unwrap_or_default();
+                assert!(
+                    ones.iter().all(|&p| told(p) < until),
+                    "until {until}, pipelined {pipelined}: {drafted:?}"
+                );
+                assert_eq!(
+                    ones.len(),
+                    drafted_always[&1]
+                        .iter()
+                        .filter(|&&p| told(p) < until)
+                        .count(),
+                    "until {until}, pipelined {pipelined}: {drafted:?}"
+                );
+                // (The drafts it no longer takes are left to the other request.)
+                assert!(drafted.contains_key(&2), "{drafted:?}");
+            }
+        }
     }
 
     /// Draft counters read as vLLM's: drafts the backend accepted count even past a stop

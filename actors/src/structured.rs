@@ -44,10 +44,15 @@
 //! before each, which builds states too), and fails only where that fails: the same tokens,
 //! sets and failure as one token per step. A replay costs about what the masks so far did
 //! (4,000 tokens: 4 ms for a JSON schema, 105 ms for an exponential regex); replays coming
-//! faster than the output doubles make the constraint send its drafts through a deep copy
-//! of the matcher instead (its lexer never sees them), which costs per draft step about what
-//! the lexer holds (0.1 ms for that JSON schema, 5 ms for that regex at 4,000 tokens, 95 ms
-//! near the 250,000 states of the default limit): see `GrammarConstraint::replayed`. One
+//! faster than the output doubles isolate the constraint: drafts would go through a deep
+//! copy of the matcher (its lexer never sees them), which costs about what the lexer holds
+//! (0.1 ms for that JSON schema, 5 ms for that regex at 4,000 tokens, 95 ms near the 250,000
+//! states of the default limit) inside the backend's step, which every sequence of the batch
+//! waits for. So an isolated constraint asks for no more drafts
+//! ([`TokenConstraint::wants_drafts`]): the engine plans none for its sequence from the next
+//! step on (the backend still verifies drafts for it: its draft verifier's answer does not
+//! change), and the copy is paid at most once over the sequence, by the step in flight; the
+//! sequence then goes one token per step. See `GrammarConstraint::replayed`. One
 //! difference stays: a lexer warmed by drafts taken back spends less fuel on states it built
 //! for them, so a step that one token per step fails for its fuel may pass (never the other
 //! way). The CPU backend commits only sampled tokens.
@@ -1106,8 +1111,9 @@ fn get_compiler<'a>(
 ///   its own ([`GrammarConstraint::recheck`]), which leaves the constraint clean, and fails
 ///   only where that fails.
 /// - `isolated` (replays came faster than the output doubles, [`GrammarConstraint::replayed`]):
-///   each round's drafts go through a deep copy ([`Drafts::saved`]), so `matcher` stays clean
-///   for the rest of the sequence and needs no replay.
+///   it wants no more drafts ([`TokenConstraint::wants_drafts`]); those of a step already
+///   planned go through a deep copy ([`Drafts::saved`]), so `matcher` stays clean for the
+///   rest of the sequence and needs no replay.
 ///
 /// In the clean and isolated states `masked` keeps the masks one token per step computes
 /// (they build lexer states too): a commit that comes without one computes it first.
@@ -1143,13 +1149,17 @@ struct GrammarConstraint {
     /// Whether drafts go through a copy of the matcher ([`Drafts::saved`]), so that the lexer
     /// of `matcher` holds what one token per step builds, no more: set for the rest of the
     /// sequence when a [`replay`] comes less than twice as far into the output as the one
-    /// before it (see [`GrammarConstraint::replayed`]).
+    /// before it (see [`GrammarConstraint::replayed`]). The constraint then wants no more
+    /// drafts ([`TokenConstraint::wants_drafts`]).
     isolated: bool,
     /// How many tokens the last [`replay`] from a fresh lexer went through.
     replayed_at: Option<usize>,
     /// How many tokens every [`replay`] so far went through, together (their bound is tested).
     #[cfg(test)]
     replayed_tokens: usize,
+    /// How many draft rounds went through a deep copy of the matcher (isolated).
+    #[cfg(test)]
+    draft_copies: usize,
     /// Whether the mask where `matcher` stands was computed. One token per step computes the
     /// mask before each token, which builds lexer states of its own; where commits come
     /// without one (the accepted drafts, committed again after they were taken back) while
@@ -1260,6 +1270,8 @@ impl GrammarConstraint {
             replayed_at: None,
             #[cfg(test)]
             replayed_tokens: 0,
+            #[cfg(test)]
+            draft_copies: 0,
             masked: false,
         }
     }
@@ -1463,13 +1475,19 @@ impl GrammarConstraint {
     /// Notes a [`replay`] through the tokens consumed so far. Each costs about what one token
     /// per step spent on masks so far (measured at 4,000 tokens: 4 ms for a JSON schema's
     /// output, 105 ms for an exponential regex's). One less than twice as far into the output
-    /// as the one before it isolates the constraint: its drafts then go through a deep copy
+    /// as the one before it isolates the constraint: drafts would then go through a deep copy
     /// of the matcher, whose lexer never holds a draft's states, so none of its limits needs a
     /// replay again. So the tokens replayed over a sequence add up to at most three times its
-    /// output (the replays before isolation at least double each time). Isolation is not the
-    /// first answer: a copy costs about what the lexer holds, at every draft step (measured:
-    /// 0.1 ms for that JSON schema's lexer, 5 ms for that regex's at 4,000 tokens, 95 ms near
-    /// the 250,000 states of llguidance's default limit), more than replays that come rarely.
+    /// output (the replays before isolation at least double each time). A copy costs about
+    /// what the lexer holds (measured: 0.1 ms for that JSON schema's lexer, 5 ms for that
+    /// regex's at 4,000 tokens, 95 ms near the 250,000 states of llguidance's default limit),
+    /// paid inside the backend's step that every sequence of the batch waits for; so an
+    /// isolated constraint wants no more drafts ([`TokenConstraint::wants_drafts`]) and the
+    /// engine plans none for it: at most the step in flight pays a copy, and the sequence
+    /// goes one token per step (measured on a loaded 2-core machine, `/(a|b)*a(a|b){20}/` at
+    /// 4,000 tokens: a round of three drafts through a copy 14-15 ms, a step of one token 45-60
+    /// us; at 12,000 tokens 53 ms against 49 us). Isolation is not the first answer: it gives
+    /// up the sequence's drafts, which replays that come rarely keep.
     fn replayed(&mut self) {
         let at = self.consumed.len();
         if self.replayed_at.is_some_and(|before| at < 2 * before) {
@@ -1600,6 +1618,10 @@ impl TokenConstraint for GrammarConstraint {
             if let Some(d) = self.drafts.as_mut().filter(|d| d.saved.is_none()) {
                 let copy = self.matcher.deep_clone();
                 d.saved = Some((std::mem::replace(&mut self.matcher, copy), self.masked));
+                #[cfg(test)]
+                {
+                    self.draft_copies += 1;
+                }
             }
         }
         self.recent.push_back(true);
@@ -1622,6 +1644,14 @@ impl TokenConstraint for GrammarConstraint {
 
     fn failure(&self) -> Option<String> {
         self.failure.clone()
+    }
+
+    /// Not once isolated: each round's drafts would go through a deep copy of the matcher,
+    /// which costs about what its lexer holds (see [`GrammarConstraint::replayed`]) inside the
+    /// backend's step, for every sequence of it. The engine then plans no more drafts for the
+    /// sequence; those of a step already planned still go through a copy.
+    fn wants_drafts(&self) -> bool {
+        !self.isolated
     }
 
     fn begin_drafts(&mut self) {
@@ -2905,6 +2935,9 @@ mod tests {
         fn failure(&self) -> Option<String> {
             self.0.lock().failure()
         }
+        fn wants_drafts(&self) -> bool {
+            self.0.lock().wants_drafts()
+        }
     }
 
     /// One token per step along `path` until it fails: the allowed set before each token, and
@@ -2936,6 +2969,10 @@ mod tests {
     /// the accepted drafts and the token sampled after them: the path's next, or the end where
     /// the set allows only it. Each row used (up to the first rejected draft) must equal one token per
     /// step's (`plain`, from [`one_token_per_step`]); returns the failure in the end.
+    /// `engine_stops`: as the engine plans, a round after the constraint stopped wanting drafts
+    /// ([`Constraint::wants_drafts`], read between rounds) has none (the set where it stands,
+    /// as the backend asks it for a row without drafts); else every round drafts whatever
+    /// the constraint wants (a backend verifies every draft it is given).
     fn speculate(
         c: &Constraint,
         vocab: usize,
@@ -2943,21 +2980,33 @@ mod tests {
         path: &[u32],
         plain: &(Vec<Vec<u32>>, Option<String>),
         junk: impl Fn(usize, u32) -> Vec<u32>,
+        engine_stops: bool,
     ) -> Option<String> {
         let (want, failure) = plain;
         let fail_row = failure.as_ref().map(|_| want.len() - 1);
         let (mut i, mut round) = (0, 0);
         while i < want.len() {
-            let accepted = (round % 3).min(path.len() - 1 - i);
+            let drafting = !engine_stops || c.wants_drafts();
+            let accepted = if drafting {
+                (round % 3).min(path.len() - 1 - i)
+            } else {
+                0
+            };
             let mut drafts = path[i..i + accepted].to_vec();
-            let junk = junk(round, path[i + accepted]);
-            assert_ne!(
-                junk.first(),
-                Some(&path[i + accepted]),
-                "junk that is not rejected"
-            );
-            drafts.extend(junk);
-            let sets = c.allowed_through(vocab, &drafts);
+            if drafting {
+                let junk = junk(round, path[i + accepted]);
+                assert_ne!(
+                    junk.first(),
+                    Some(&path[i + accepted]),
+                    "junk that is not rejected"
+                );
+                drafts.extend(junk);
+            }
+            let sets = if drafts.is_empty() {
+                vec![c.allowed(vocab)]
+            } else {
+                c.allowed_through(vocab, &drafts)
+            };
             for (j, set) in sets.iter().enumerate().take(accepted + 1) {
                 let row = i + j;
                 assert_eq!(set, &want[row], "round {round}, row {row}");
@@ -2987,7 +3036,9 @@ mod tests {
     /// tokens and in the same words, where they do. Kept paths of `a`s (few states) and of
     /// random `a`s and `b`s (many), rejected drafts of random tokens of `a`s and `b`s; the
     /// replays go from the first (the drafts then go on through the matcher) to isolation
-    /// (through a copy) along the way.
+    /// (through a copy) along the way. The same again as the engine plans: once isolated, the
+    /// constraint wants no drafts and gets none (at most one round through a copy), with the
+    /// same outcome.
     #[test]
     fn lexer_limits_with_rejected_drafts_give_the_outcome_of_one_token_per_step() {
         let tok = tokenizer();
@@ -3018,6 +3069,8 @@ mod tests {
         let spec = StructuredOutput::Grammar("start: /(a|b)*a(a|b){12}/\n".into());
         let mut outcomes = Vec::new();
         let mut replays = Vec::new();
+        // Draft rounds through a copy of the matcher: drafting on, and as the engine plans.
+        let mut copies = Vec::new();
         let states = |n| ParserLimits {
             max_lexer_states: n,
             ..ParserLimits::default()
@@ -3061,7 +3114,7 @@ mod tests {
                 // per step as a fresh constraint does.
                 let choices = Shared::compile(&compiler, &spec, end, 2);
                 let (g, other) = (&choices[0], &choices[1]);
-                let got = speculate(&g.constraint(), vocab, end, &path, &plain, junk);
+                let got = speculate(&g.constraint(), vocab, end, &path, &plain, junk, false);
                 assert_eq!(got, plain.1, "{limits:?} along {path:?}");
                 let second = one_token_per_step(&other.constraint(), vocab, &path);
                 assert!(
@@ -3080,8 +3133,30 @@ mod tests {
                     g.consumed.len()
                 );
                 replays.push((g.replayed_at.is_some(), g.isolated, plain.1.is_some()));
+                // As the engine plans: the same rounds until the constraint isolates itself;
+                // from then on it wants no drafts and gets none, so only the round that
+                // isolated it went through a copy of the matcher, where drafting on makes a
+                // copy every round; the outcome is one token per step's either way.
+                let stopped = &Shared::compile(&compiler, &spec, end, 1)[0];
+                let c = stopped.constraint();
+                let got = speculate(&c, vocab, end, &path, &plain, junk, true);
+                assert_eq!(got, plain.1, "{limits:?} along {path:?}, drafts stopped");
+                let s = stopped.0.lock();
+                assert_eq!(s.isolated, g.isolated, "{limits:?}");
+                assert_eq!(c.wants_drafts(), !s.isolated, "{limits:?}");
+                assert!(
+                    s.draft_copies <= 1,
+                    "{limits:?}: {} draft rounds through a copy",
+                    s.draft_copies
+                );
+                copies.push((g.draft_copies, s.draft_copies));
             }
         }
+        // Drafting on after isolation copies the matcher round after round.
+        assert!(
+            copies.iter().any(|&(on, stopped)| on > 10 * stopped.max(1)),
+            "{copies:?}"
+        );
         // Whether one token per step fails, per limit (along `a`s, then along the random
         // path): both outcomes, under each kind of limit.
         assert_eq!(

@@ -9,6 +9,7 @@
 //! The grammar engine lives in the engine crate (`switchyard-actors`); this crate only sees
 //! the trait, so backends stay free of it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -45,23 +46,56 @@ pub trait TokenConstraint: Send {
     fn failure(&self) -> Option<String> {
         None
     }
+    /// Whether drafts are still worth proposing to the sequence: false once taking them
+    /// through the constraint ([`Constraint::allowed_through`]) costs more than they can save
+    /// (a grammar whose drafts must go through a deep copy of its matcher). Drafts stay
+    /// correct either way: a backend that verifies drafts for the sequence goes on doing so,
+    /// and the engine only stops proposing them ([`Constraint::wants_drafts`]). Once false,
+    /// it stays false.
+    fn wants_drafts(&self) -> bool {
+        true
+    }
 }
 
 /// A sequence's constraint, shared between the engine (which creates it per choice) and the
 /// backend (which asks it before each draw of that sequence).
 #[derive(Clone)]
-pub struct Constraint(Arc<Mutex<Box<dyn TokenConstraint>>>);
+pub struct Constraint(Arc<Shared>);
+
+/// What the copies of a [`Constraint`] share.
+struct Shared {
+    /// The constraint.
+    inner: Mutex<Box<dyn TokenConstraint>>,
+    /// Its [`TokenConstraint::wants_drafts`] as of the last call that held the lock, read
+    /// without it ([`Constraint::wants_drafts`]: the scheduler's thread never waits on a
+    /// mask the backend is computing).
+    wants_drafts: AtomicBool,
+}
 
 impl Constraint {
     /// Wraps a constraint.
     pub fn new(c: impl TokenConstraint + 'static) -> Self {
-        Constraint(Arc::new(Mutex::new(Box::new(c))))
+        let wants_drafts = AtomicBool::new(c.wants_drafts());
+        Constraint(Arc::new(Shared {
+            inner: Mutex::new(Box::new(c)),
+            wants_drafts,
+        }))
+    }
+
+    /// Runs `f` on the constraint, under its lock, then notes whether it still wants drafts.
+    fn locked<R>(&self, f: impl FnOnce(&mut dyn TokenConstraint) -> R) -> R {
+        let mut c = self.0.inner.lock();
+        let r = f(c.as_mut());
+        if !c.wants_drafts() {
+            self.0.wants_drafts.store(false, Ordering::Release);
+        }
+        r
     }
 
     /// The allowed set for the next token as a bitset of `vocab` bits.
     pub fn allowed(&self, vocab: usize) -> Vec<u32> {
         let mut words = vec![0u32; vocab.div_ceil(32)];
-        self.0.lock().fill_allowed(&mut words);
+        self.locked(|c| c.fill_allowed(&mut words));
         // Bits past the vocabulary would address logits of other rows.
         if !vocab.is_multiple_of(32) {
             if let Some(last) = words.last_mut() {
@@ -73,30 +107,40 @@ impl Constraint {
 
     /// Runs `f` on the constraint, under its lock.
     pub(crate) fn with<R>(&self, f: impl FnOnce(&mut dyn TokenConstraint) -> R) -> R {
-        f(self.0.lock().as_mut())
+        self.locked(f)
     }
 
     /// Records a sampled token.
     pub fn commit(&self, token: u32) {
-        self.0.lock().commit(token);
+        self.locked(|c| c.commit(token));
     }
 
     /// Records sampled tokens, in order.
     pub fn commit_all(&self, tokens: &[u32]) {
-        let mut c = self.0.lock();
-        for &t in tokens {
-            c.commit(t);
-        }
+        self.locked(|c| {
+            for &t in tokens {
+                c.commit(t);
+            }
+        });
     }
 
     /// What went wrong, when the constraint failed ([`TokenConstraint::failure`]).
     pub fn failure(&self) -> Option<String> {
-        self.0.lock().failure()
+        self.0.inner.lock().failure()
     }
 
     /// Whether the constraint can take commits back ([`TokenConstraint::rollback`]).
     pub fn can_roll_back(&self) -> bool {
-        self.0.lock().can_roll_back()
+        self.0.inner.lock().can_roll_back()
+    }
+
+    /// Whether drafts are still worth proposing to the sequence
+    /// ([`TokenConstraint::wants_drafts`]), as of the constraint's last call: read without
+    /// its lock. A backend's calls for a step (masks, commits, drafts taken back) come before
+    /// that step's outputs, so an engine that reads this as it applies them sees what they
+    /// left. It never becomes true again once false.
+    pub fn wants_drafts(&self) -> bool {
+        self.0.wants_drafts.load(Ordering::Acquire)
     }
 
     /// The allowed sets before each of `drafts` and after the last (`drafts.len() + 1` sets of
@@ -110,7 +154,7 @@ impl Constraint {
         let mut out: Vec<Vec<u32>> = Vec::with_capacity(drafts.len() + 1);
         let mut committed = 0;
         let mut blocked = false;
-        self.0.lock().begin_drafts();
+        self.locked(|c| c.begin_drafts());
         for i in 0..=drafts.len() {
             let set = match (blocked, out.last()) {
                 (true, Some(last)) => last.clone(),
@@ -126,7 +170,7 @@ impl Constraint {
             }
             out.push(set);
         }
-        if !self.0.lock().rollback(committed) {
+        if !self.locked(|c| c.rollback(committed)) {
             tracing::warn!("a constraint could not take back {committed} drafts");
         }
         out

@@ -151,6 +151,10 @@ impl TokenConstraint for Constraint {
     fn failure(&self) -> Option<String> {
         Constraint::failure(self)
     }
+
+    fn wants_drafts(&self) -> bool {
+        Constraint::wants_drafts(self)
+    }
 }
 
 /// Several constraints at once: a token is allowed when every part allows it; each commit
@@ -225,6 +229,11 @@ impl TokenConstraint for Intersection {
 
     fn failure(&self) -> Option<String> {
         self.parts.iter().find_map(|p| p.failure())
+    }
+
+    /// Drafts go through every part: worth proposing only while every part wants them.
+    fn wants_drafts(&self) -> bool {
+        self.parts.iter().all(|p| p.wants_drafts())
     }
 }
 
@@ -397,5 +406,58 @@ mod tests {
             Arc::from([0u32]),
         ));
         assert!(!c.can_roll_back());
+    }
+
+    /// Wants drafts until it has seen `after` commits (a grammar whose drafts became costly).
+    struct DraftsUntil {
+        after: usize,
+        seen: usize,
+    }
+
+    impl TokenConstraint for DraftsUntil {
+        fn fill_allowed(&mut self, allowed: &mut [u32]) {
+            allowed.fill(u32::MAX);
+        }
+        fn commit(&mut self, _: u32) {
+            self.seen += 1;
+        }
+        fn can_roll_back(&self) -> bool {
+            true
+        }
+        fn rollback(&mut self, n: usize) -> bool {
+            self.seen -= n.min(self.seen);
+            true
+        }
+        fn wants_drafts(&self) -> bool {
+            self.seen < self.after
+        }
+    }
+
+    /// A part that stops wanting drafts makes its intersection stop, as read without the
+    /// locks by the engine after the calls of a step; and a constraint that said no once
+    /// says no from then on (its drafts taken back do not bring them back).
+    #[test]
+    fn a_part_that_wants_no_drafts_stops_them_for_the_whole() {
+        let grammar = Constraint::new(DraftsUntil { after: 2, seen: 0 });
+        let c = Constraint::new(Intersection::new(
+            vec![
+                Box::new(grammar.clone()),
+                Box::new(BadWords::new(vec![vec![1, 2]].into())),
+            ],
+            Arc::from([0u32]),
+        ));
+        assert!(c.wants_drafts() && grammar.wants_drafts());
+        c.commit(5);
+        let sets = c.allowed_through(VOCAB, &[6, 7]);
+        assert_eq!(sets.len(), 3);
+        // The second draft reached the limit; taking both back does not undo the answer.
+        assert!(!grammar.wants_drafts());
+        assert!(!c.wants_drafts());
+        c.commit(6);
+        assert!(!c.wants_drafts());
+        // Other constraints always want drafts.
+        let plain = bad_words(&[&[1, 2]]);
+        plain.commit(1);
+        assert!(plain.allowed_through(VOCAB, &[3]).len() == 2 && plain.wants_drafts());
     }
 }

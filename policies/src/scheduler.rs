@@ -681,6 +681,26 @@ impl Scheduler {
         true
     }
 
+    /// Feeds a live request no more drafts (speculative decoding), for the rest of its life:
+    /// the engine's answer to a request whose drafts cost more than they save (a grammar that
+    /// must copy its matcher for each draft round). Its steps already planned keep theirs.
+    /// Returns false for unknown or ended requests.
+    pub fn stop_drafts(&mut self, id: RequestId) -> bool {
+        let Some(&slot) = self.index.get(&id) else {
+            return false;
+        };
+        let Some(seq) = self.seqs.get_mut(slot as usize).and_then(|s| s.as_mut()) else {
+            return false;
+        };
+        if seq.state.is_terminal() {
+            return false;
+        }
+        seq.req.limits.speculate = false;
+        // Its prompt-lookup index is never read again.
+        seq.ngrams = None;
+        true
+    }
+
     /// Turns speculative decoding on, changes its settings or turns it off (`None`) between two
     /// steps. Sequences fed drafts in a step still in flight resolve as usual.
     pub fn set_speculative(

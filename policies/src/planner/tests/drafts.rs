@@ -193,3 +193,56 @@ fn a_stop_inside_accepted_drafts_ends_the_sequence_there() {
     assert_eq!(s.output_tokens(RequestId(1)), Some(&[5, 9][..]));
     assert_eq!(s.stats().num_free_blocks, 64);
 }
+
+/// A request told to take no more drafts (`stop_drafts`, the engine's answer to a grammar
+/// whose drafts became costly) gets none from the next plan on while the others keep theirs;
+/// its outputs go on one per step. Unknown and ended requests are refused.
+#[test]
+fn a_request_stopped_from_drafting_gets_no_more_drafts() {
+    let c = SchedulerConfig {
+        speculative: drafts(2, 1, 2),
+        ..config(64, 4)
+    };
+    let mut s = sched(c, Box::new(Fcfs));
+    // Outputs are all 5, so after the first output every suffix matches.
+    s.add_request(req(1, 0, vec![5, 5, 5], 8)).unwrap();
+    s.add_request(req(2, 0, vec![5, 5, 5], 8)).unwrap();
+    step(&mut s, 0, 5);
+    let all_accepted = |plan: &StepPlan| -> Vec<StepOutput> {
+        plan.seqs
+            .iter()
+            .map(|q| StepOutput {
+                id: q.id,
+                token: 5,
+                accepted: q.draft_tokens.len() as u32,
+            })
+            .collect()
+    };
+    let plan = s.schedule(Timestamp(1));
+    assert_eq!(plan.seqs[0].draft_tokens, vec![5, 5]);
+    assert_eq!(plan.seqs[1].draft_tokens, vec![5, 5]);
+    s.apply_outputs(&plan, &all_accepted(&plan), Timestamp(1));
+    assert!(s.stop_drafts(RequestId(1)));
+    assert!(!s.stop_drafts(RequestId(3)));
+    let (mut outputs_after, mut others_drafted) = (0, false);
+    while s.has_unfinished() {
+        let plan = s.schedule(Timestamp(2));
+        for q in &plan.seqs {
+            if q.id == RequestId(1) {
+                assert!(q.draft_tokens.is_empty(), "{:?}", q.draft_tokens);
+                assert_eq!(q.num_new_tokens, 1);
+                outputs_after += 1;
+            } else {
+                others_drafted |= !q.draft_tokens.is_empty();
+            }
+        }
+        s.apply_outputs(&plan, &all_accepted(&plan), Timestamp(2));
+        s.check_invariants().unwrap();
+    }
+    // One output per step after the stop: 8 - (1 + 3) of them.
+    assert_eq!(outputs_after, 4);
+    assert!(others_drafted);
+    assert_eq!(s.output_tokens(RequestId(1)).map(<[u32]>::len), Some(8));
+    assert!(!s.stop_drafts(RequestId(1)), "an ended request");
+    assert_eq!(s.stats().num_free_blocks, 64);
+}
