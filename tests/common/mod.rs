@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -34,20 +34,6 @@ pub struct Server {
     pub port: u16,
     pub child: Child,
     pub dir: PathBuf,
-}
-
-/// A loopback port free now (the OS's pick), for a server started later.
-///
-/// Racy: the port is free only until this returns, and another test's server, or a client
-/// connection's ephemeral port, may take it before the child process binds it (the server
-/// then exits with "address already in use", or the test talks to the other test's server).
-/// Write `port: 0` into the configuration and make the [`Server`] with port 0 instead: the
-/// server binds a free port itself and [`Server::wait_ready`] reads it back from the log.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// The port of the first `serving url=http://127.0.0.1:PORT` line of a `serve` log (plain
