@@ -373,7 +373,7 @@ fn a_client_leaving_ends_the_search_and_frees_everything() {
         }
     }
     // Each beam of each search counts as aborted once; none as a success.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while s.metric("switchyard:request_aborted_total") != Some(12.0) {
         assert!(
             Instant::now() < deadline,

@@ -4,9 +4,7 @@
 
 mod common;
 
-use common::{
-    free_port, lora_fixture_dir, model_path, serve, switchyard, temp_dir, wait_exit, Server,
-};
+use common::{lora_fixture_dir, model_path, serve, switchyard, temp_dir, wait_exit, Server};
 use serde_json::{json, Value};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
@@ -15,10 +13,12 @@ use std::time::{Duration, Instant};
 
 const ADMIN: (&str, &str) = ("Authorization", "Bearer admin-secret-key");
 
-/// A server configuration on the embedded model, as `common::Server::start_full` writes it.
-fn config_yaml(port: u16, model_lines: &str, server_lines: &str, extra: &str) -> String {
+/// A server configuration on the embedded model, as `common::Server::start_full` writes it: on
+/// port 0, the free port the server binds itself, which [`Server::wait_ready`] reads back from
+/// its log.
+fn config_yaml(model_lines: &str, server_lines: &str, extra: &str) -> String {
     format!(
-        "model:\n  path: {}\n  threads: 2\n{model_lines}server:\n  host: 127.0.0.1\n  port: {port}\n  drain_timeout_s: 20\n{server_lines}{extra}",
+        "model:\n  path: {}\n  threads: 2\n{model_lines}server:\n  host: 127.0.0.1\n  port: 0\n  drain_timeout_s: 20\n{server_lines}{extra}",
         model_path().display()
     )
 }
@@ -37,15 +37,14 @@ fn spawn(dir: &Path, env: &[(OsString, OsString)]) -> std::process::Child {
 /// waits until it is ready.
 fn start(name: &str, server_lines: &str, extra: &str, env: &[(OsString, OsString)]) -> Server {
     let dir = temp_dir("config", name);
-    let port = free_port();
     std::fs::write(
         dir.join("config.yaml"),
-        config_yaml(port, "", server_lines, extra),
+        config_yaml("", server_lines, extra),
     )
     .expect("write config");
     let child = spawn(&dir, env);
     let mut server = Server {
-        port,
+        port: 0,
         child,
         dir: dir.keep(),
     };
@@ -58,7 +57,7 @@ fn serve_refuses(name: &str, model_lines: &str, server_lines: &str, extra: &str)
     let dir = temp_dir("config", name);
     std::fs::write(
         dir.join("config.yaml"),
-        config_yaml(free_port(), model_lines, server_lines, extra),
+        config_yaml(model_lines, server_lines, extra),
     )
     .expect("write config");
     let mut child = spawn(&dir, &[]);
@@ -279,11 +278,10 @@ fn sighup_restores_an_adapter_an_admin_deleted_and_hangups_in_a_row_agree() {
 #[test]
 fn sighup_during_the_model_load_does_not_stop_the_server() {
     let dir = temp_dir("config", "early-hup");
-    let port = free_port();
-    std::fs::write(dir.join("config.yaml"), config_yaml(port, "", "", "")).unwrap();
+    std::fs::write(dir.join("config.yaml"), config_yaml("", "", "")).unwrap();
     let child = spawn(&dir, &[]);
     let mut s = Server {
-        port,
+        port: 0,
         child,
         dir: dir.keep(),
     };
@@ -838,7 +836,6 @@ fn failed_authentication_is_logged_rate_limited_without_the_key() {
 #[test]
 fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
     let dir = temp_dir("config", "admission-too-large");
-    let port = free_port();
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/examples/default.yaml");
     let child = serve(&example, &dir)
         .args([
@@ -847,14 +844,14 @@ fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
             "--set",
             "model.threads=2",
             "--set",
-            &format!("server.port={port}"),
+            "server.port=0",
             "--set",
             "server.max_pending_requests=1",
         ])
         .spawn()
         .expect("start switchyard serve");
     let mut s = Server {
-        port,
+        port: 0,
         child,
         dir: dir.keep(),
     };

@@ -214,10 +214,9 @@ fn serve_refuses_a_tier_larger_than_the_memory_available() {
     std::fs::write(
         &config,
         format!(
-            "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: {}\n\
+            "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: 0\n\
              cache:\n  kv_offloading_size: 1024\n",
             common::model_path().display(),
-            common::free_port()
         ),
     )
     .expect("write config");

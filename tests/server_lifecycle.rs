@@ -356,11 +356,14 @@ fn hang_ups_of_every_request_kind_leave_the_engine_idle_and_serving() {
 
 #[test]
 fn sigterm_drains_in_flight_requests_then_exits_zero() {
-    let mut s = Server::start("drain", "");
+    // A drain long enough for the stream below to end on its own, however loaded the machine.
+    let mut s = Server::start_with("drain", "  drain_timeout_s: 600\n", "");
     let model = s.model_id();
     // Long enough to be still in flight while the checks below run: once nothing is in flight
-    // the server stops at once, and a request then finds no one to answer it.
-    let body = json!({"model": model, "prompt": "Write a list of fruits", "max_tokens": 200, "ignore_eos": true, "stream": true}).to_string();
+    // the server stops at once, and a request then finds no one to answer it. 1000 tokens are
+    // seconds of decoding (200 ended within a second, as close to the checks' own time as a
+    // loaded machine's scheduling hiccup).
+    let body = json!({"model": model, "prompt": "Write a list of fruits", "max_tokens": 1000, "ignore_eos": true, "stream": true}).to_string();
     let mut stream = s.open("POST", "/v1/completions", Some(&body));
     wait_running(&s, 1);
     sigterm(&s);
@@ -372,9 +375,20 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
         &json!({"model": model, "prompt": "Hi", "max_tokens": 4}),
     );
     assert_eq!(code, 503, "{v}");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(600)))
+        .unwrap();
     let r = common::read_response(&mut stream).expect("in-flight stream completes");
     let events = sse_events(&r.body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    // Drained to its end, not cut off.
+    assert!(
+        events
+            .iter()
+            .any(|e| e.contains(r#""finish_reason":"length""#)),
+        "{}",
+        r.body
+    );
     wait_exit_zero(&mut s);
 }
 
@@ -412,11 +426,13 @@ fn requests_left_at_the_drain_timeout_end_with_an_error() {
     wait_exit_zero(&mut s);
 }
 
-/// A second SIGINT during the drain ends it at once (the drain timeout is a minute here): the
-/// stream still in flight gets its error event and `[DONE]`, and the server exits 0 promptly.
+/// A second SIGINT during the drain ends it at once (the drain timeout is an hour here, so
+/// nothing else ends it while the test runs): the stream still in flight gets its error event
+/// and `[DONE]`, and the server exits 0. Were the second signal ignored, the stream would run
+/// on to its 6000th token and end without the error event, or past the read timeout.
 #[test]
 fn a_second_sigint_ends_the_drain_at_once() {
-    let mut s = Server::start_with("second-signal", "  drain_timeout_s: 60\n", "");
+    let mut s = Server::start_with("second-signal", "  drain_timeout_s: 3600\n", "");
     let model = s.model_id();
     let body = json!({"model": model, "prompt": "Tell me a very long story", "max_tokens": 6000,
                       "ignore_eos": true, "stream": true})
@@ -426,10 +442,9 @@ fn a_second_sigint_ends_the_drain_at_once() {
     signal(&s, "-INT");
     // Two signals sent at once may arrive as one: the second is sent once the drain began.
     wait_not_ready(&s);
-    let second = Instant::now();
     signal(&s, "-INT");
     streamed
-        .set_read_timeout(Some(Duration::from_secs(30)))
+        .set_read_timeout(Some(Duration::from_secs(120)))
         .unwrap();
     let r = common::read_response(&mut streamed).expect("the stream's end");
     let mut events = sse_events(&r.body);
@@ -437,20 +452,15 @@ fn a_second_sigint_ends_the_drain_at_once() {
     let last: Value = serde_json::from_str(events.last().expect("an event")).expect("JSON");
     assert_eq!(last["error"]["code"], "unavailable", "{}", r.body);
     wait_exit_zero(&mut s);
-    assert!(
-        second.elapsed() < Duration::from_secs(20),
-        "the server took {:?} to exit after the second signal",
-        second.elapsed()
-    );
     s.assert_logged(&[
         "WARN",
         "second signal: ending the drain now, 1 requests cut off",
     ]);
 }
 
-/// Waits (at most 10 s) until `/ready` answers 503, checking it answers 200 until then.
+/// Waits (at most a minute) until `/ready` answers 503, checking it answers 200 until then.
 fn wait_not_ready(s: &Server) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let r = s
             .request("GET", "/ready", None, &[])
@@ -491,9 +501,9 @@ fn signal(s: &Server, flag: &str) {
     assert!(status.success());
 }
 
-/// Waits (at most 30 s) for the server to exit, and checks that it exited 0.
+/// Waits (at most a minute) for the server to exit, and checks that it exited 0.
 fn wait_exit_zero(s: &mut Server) {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(60);
     let code = loop {
         if let Some(code) = s.child.try_wait().expect("wait") {
             break code;
@@ -646,7 +656,7 @@ fn sighup_rereads_the_policy_section() {
         .status()
         .unwrap()
         .success());
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while policy(&s)["name"] != "chunked-prefill" {
         assert!(
             Instant::now() < deadline,
@@ -669,7 +679,7 @@ fn sighup_rereads_the_policy_section() {
         .status()
         .unwrap()
         .success());
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while policy(&s)["name"] != "chunked-prefill" {
         assert!(
             Instant::now() < deadline,

@@ -9,7 +9,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{free_port, model_path, temp_dir, wait_exit, Server};
+use common::{model_path, temp_dir, wait_exit, Server};
 use serde_json::{json, Value};
 
 const ALICE: (&str, &str) = ("Authorization", "Bearer alice-key-00000001");
@@ -89,9 +89,8 @@ fn stored_responses_survive_a_restart_and_a_second_server_is_refused() {
     std::fs::write(
         &config,
         format!(
-            "model:\n  path: {}\nserver:\n  host: 127.0.0.1\n  port: {}\n{}",
+            "model:\n  path: {}\nserver:\n  host: 127.0.0.1\n  port: 0\n{}",
             model_path().display(),
-            free_port(),
             server_lines(&store)
         ),
     )

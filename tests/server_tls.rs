@@ -12,8 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    free_port, model_path, read_response_from, serve, switchyard, wait_exit, Response, Server,
-    TempDir,
+    model_path, read_response_from, serve, switchyard, wait_exit, Response, Server, TempDir,
 };
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
@@ -127,10 +126,11 @@ fn https_as(
     })
 }
 
-/// Writes `config.yaml` into `dir`: the embedded model on `port`, with `server_lines`.
-fn write_config(dir: &Path, port: u16, server_lines: &str) {
+/// Writes `config.yaml` into `dir`: the embedded model on port 0 (a free port the server binds
+/// itself, read back from its log by [`start`]), with `server_lines`.
+fn write_config(dir: &Path, server_lines: &str) {
     let yaml = format!(
-        "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: {port}\n  drain_timeout_s: 5\n{server_lines}",
+        "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: 0\n  drain_timeout_s: 5\n{server_lines}",
         model_path().display()
     );
     std::fs::write(dir.join("config.yaml"), yaml).expect("write config");
@@ -145,13 +145,14 @@ fn tls_lines(cert: &Path, key: &Path) -> String {
     )
 }
 
-/// Starts `serve` on `dir`'s `config.yaml` and waits until `/ready` answers 200 over HTTPS.
-fn start(dir: &Path, port: u16) -> Server {
+/// Starts `serve` on `dir`'s `config.yaml` and waits until `/ready` answers 200 over HTTPS on
+/// the port it logs.
+fn start(dir: &Path) -> Server {
     let child = serve(&dir.join("config.yaml"), dir)
         .spawn()
         .expect("start switchyard serve");
     let mut server = Server {
-        port,
+        port: 0,
         child,
         dir: dir.to_path_buf(),
     };
@@ -178,13 +179,12 @@ fn assert_serves_https(s: &Server) {
 #[test]
 fn https_serves_completions_and_plain_http_to_the_port_fails_cleanly() {
     let dir = temp_dir("serve");
-    let port = free_port();
     write_config(
         &dir,
-        port,
         &tls_lines(&fixture("server.pem"), &fixture("server.key")),
     );
-    let s = start(&dir, port);
+    let s = start(&dir);
+    let port = s.port;
     s.assert_logged(&["serving", &format!("https://127.0.0.1:{port}")]);
     assert_serves_https(&s);
     let a = https(port, "GET", "/health", None).expect("HTTPS");
@@ -217,7 +217,6 @@ fn a_key_of_another_certificate_is_refused_at_start_naming_the_field() {
     let dir = temp_dir("mismatch");
     write_config(
         &dir,
-        free_port(),
         &tls_lines(&fixture("server.pem"), &fixture("rotated.key")),
     );
     let mut child = serve(&dir.join("config.yaml"), &dir)
@@ -241,7 +240,7 @@ fn a_key_of_another_certificate_is_refused_at_start_naming_the_field() {
 
     // `config check` refuses what `serve` refuses, each error naming its field.
     let check = |server_lines: &str| {
-        write_config(&dir, 8000, server_lines);
+        write_config(&dir, server_lines);
         let out = switchyard()
             .args(["config", "check"])
             .arg(dir.join("config.yaml"))
@@ -289,9 +288,9 @@ fn sighup_serves_a_new_certificate_to_new_connections_and_keeps_it_through_a_bad
         std::fs::copy(fixture(k), &key).expect("copy key");
     };
     put("server.pem", "server.key");
-    let port = free_port();
-    write_config(&dir, port, &tls_lines(&cert, &key));
-    let s = start(&dir, port);
+    write_config(&dir, &tls_lines(&cert, &key));
+    let s = start(&dir);
+    let port = s.port;
     assert_leaf(
         &https(port, "GET", "/health", None).unwrap().leaf,
         "server.pem",
@@ -320,7 +319,7 @@ fn sighup_serves_a_new_certificate_to_new_connections_and_keeps_it_through_a_bad
     );
 
     // Turning TLS off takes a restart: named, and HTTPS goes on.
-    write_config(&dir, port, "");
+    write_config(&dir, "");
     s.hang_up();
     s.wait_logged("SIGHUP: reload finished", 3);
     s.assert_logged(&["taking a restart", "server.tls"]);
@@ -358,9 +357,9 @@ fn the_certificate_expiry_is_exported_and_an_expired_one_is_logged_and_still_ser
         std::fs::copy(fixture(&format!("{name}.key")), &key).expect("copy key");
     };
     put("server");
-    let port = free_port();
-    write_config(&dir, port, &tls_lines(&cert, &key));
-    let s = start(&dir, port);
+    write_config(&dir, &tls_lines(&cert, &key));
+    let s = start(&dir);
+    let port = s.port;
     // 2126: no warning, the gauge at its notAfter.
     assert_eq!(expiry_gauge(client(), port), Some(not_after("server.pem")));
     assert!(!s.log().contains("TLS: the certificate"), "{}", s.log());
@@ -423,13 +422,12 @@ fn bench_serve(args: &[&str]) -> (bool, String) {
 #[test]
 fn bench_serve_runs_over_https_with_cacert_and_names_a_ca_that_did_not_sign() {
     let dir = temp_dir("bench");
-    let port = free_port();
     write_config(
         &dir,
-        port,
         &tls_lines(&fixture("server.pem"), &fixture("server.key")),
     );
-    let s = start(&dir, port);
+    let s = start(&dir);
+    let port = s.port;
     let url = format!("https://localhost:{port}");
     let ca = fixture("ca.pem");
     let result = dir.join("result.json");

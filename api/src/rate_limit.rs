@@ -603,10 +603,16 @@ mod tests {
         m.prompt(0, 300);
         m.generated(400);
         let e = l.admit(&p, vec![1], Instant::now()).unwrap_err();
+        // The charges refill the bucket with the wall clock (10 tokens a second since t0).
+        let elapsed = t0.elapsed().as_secs_f64();
         assert_eq!(e.kind, LimitKind::Tokens);
-        // Back above zero after ~10 s (101 tokens at 10 a second).
+        // Back above zero after 10.1 s (101 tokens at 10 a second), less what refilled since
+        // t0: a thread descheduled for a tenth of a second between the two took 0.1 s off.
         let wait = e.retry_after.as_secs_f64();
-        assert!((10.0..10.2).contains(&wait), "{wait}");
+        assert!(
+            (10.0 - elapsed..10.2).contains(&wait),
+            "{wait} after {elapsed} s"
+        );
         assert!(
             e.message().contains("Limit 600, Used 600"),
             "{}",

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -28,17 +28,22 @@ pub fn model_path() -> PathBuf {
 
 /// A running server; killed on drop.
 pub struct Server {
+    /// The port it listens on. A server started on `port: 0` (the OS picks a free port when
+    /// it binds) is made with 0 here: [`Server::wait_ready`] reads the bound port from the
+    /// server's `serving url=…` log line.
     pub port: u16,
     pub child: Child,
     pub dir: PathBuf,
 }
 
-/// A loopback port free now (the OS's pick).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+/// The port of the first `serving url=http://127.0.0.1:PORT` line of a `serve` log (plain
+/// text at INFO, as [`serve`] writes it), if it has one yet.
+pub fn logged_port(log: &str) -> Option<u16> {
+    log.lines().find_map(|line| {
+        let url = line.split_once(" serving url=")?.1;
+        let url = url.split_whitespace().next()?;
+        url.rsplit_once(':')?.1.parse().ok()
+    })
 }
 
 #[path = "../../testsupport/scratch.rs"]
@@ -156,34 +161,40 @@ impl Server {
         server_lines: &str,
         extra_yaml: &str,
     ) -> Server {
-        let port = free_port();
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir =
             std::env::temp_dir().join(format!("switchyard-e2e-{name}-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let config = dir.join("config.yaml");
-        // 20 s of drain unless `server_lines` sets it.
+        // Port 0: the server binds a free port itself, and `wait_ready` reads it from the log
+        // (a port picked free here could be taken before the server binds it). 20 s of drain
+        // unless `server_lines` sets it.
         let drain = if server_lines.contains("drain_timeout_s:") {
             ""
         } else {
             "  drain_timeout_s: 20\n"
         };
         let yaml = format!(
-            "model:\n  path: {}\n  threads: 2\n{model_lines}server:\n  host: 127.0.0.1\n  port: {port}\n{drain}{server_lines}{extra_yaml}",
+            "model:\n  path: {}\n  threads: 2\n{model_lines}server:\n  host: 127.0.0.1\n  port: 0\n{drain}{server_lines}{extra_yaml}",
             model.display()
         );
         std::fs::write(&config, yaml).expect("write config");
         let child = serve(&config, &dir)
             .spawn()
             .expect("start switchyard serve");
-        let mut server = Server { port, child, dir };
+        let mut server = Server {
+            port: 0,
+            child,
+            dir,
+        };
         server.wait_ready();
         server
     }
 
     /// Waits (up to 120 s) until `/ready` answers 200 over plain HTTP; fails at once, with the
-    /// log, if the server exits.
+    /// log, if the server exits. A server made with port 0 has its port read from its log
+    /// first.
     pub fn wait_ready(&mut self) {
         self.wait_ready_by(|s| {
             s.request("GET", "/ready", None, &[])
@@ -192,10 +203,17 @@ impl Server {
     }
 
     /// Waits (up to 120 s) until `ready` says the server is; fails at once, with the log, if
-    /// the server exits.
+    /// the server exits. A server made with port 0 (started on `port: 0`) has its port read
+    /// from its `serving` log line first, and `ready` is asked only then.
     pub fn wait_ready_by(&mut self, ready: impl Fn(&Server) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(120);
-        while !ready(self) {
+        loop {
+            if self.port == 0 {
+                self.port = logged_port(&self.log()).unwrap_or(0);
+            }
+            if self.port != 0 && ready(self) {
+                break;
+            }
             if let Some(status) = self.child.try_wait().expect("wait") {
                 panic!("server exited ({status}); log:\n{}", self.log());
             }

@@ -1494,10 +1494,12 @@ mod tests {
         assert_eq!((accepted.load(Ordering::SeqCst), pool.opened()), (2, 2));
     }
 
-    /// A stream whose body goes on after `[DONE]` (a comment every 200 ms, never its last
-    /// chunk) is given up [`DRAIN_TIMEOUT`] after `[DONE]` in all, not once a second passes
-    /// without a byte: the request succeeds at once and its connection is not kept. It used
-    /// to be read for as long as the bytes kept coming (up to 64 KiB of them).
+    /// A stream whose body goes on after `[DONE]` (a comment every 200 ms for a minute, never
+    /// its last chunk) is given up [`DRAIN_TIMEOUT`] after `[DONE]` in all, not once a second
+    /// passes without a byte: the request succeeds at once and its connection is not kept. It
+    /// used to be read for as long as the bytes kept coming (up to 64 KiB of them): here the
+    /// whole minute. The bound taken between the two, half a minute, leaves a loaded machine
+    /// 29 s of scheduling delay before it could fail by chance.
     #[test]
     fn the_drain_after_done_ends_by_its_deadline() {
         let chunk = |text: &str| format!("{:x}\r\n{text}\r\n", text.len());
@@ -1508,16 +1510,13 @@ mod tests {
         head.push_str(&chunk(&format!("data: {}\n\n", text_chunk("a"))));
         head.push_str(&chunk("data: [DONE]\n\n"));
         let mut parts = vec![(Duration::ZERO, head)];
-        parts.extend((0..25).map(|_| (Duration::from_millis(200), chunk(": ping\n\n"))));
+        parts.extend((0..300).map(|_| (Duration::from_millis(200), chunk(": ping\n\n"))));
         let pool = pool(serve_in_parts(parts));
         let t0 = Instant::now();
         let sample = one_request(&pool, "/v1/completions", None, "{}", 3).unwrap();
         let took = t0.elapsed();
         assert!(sample.ok, "{}", sample.error);
-        assert!(
-            took < DRAIN_TIMEOUT + Duration::from_millis(1500),
-            "{took:?}"
-        );
+        assert!(took < Duration::from_secs(30), "{took:?}");
         assert!(
             pool.take().is_none(),
             "a connection inside its body was kept"
