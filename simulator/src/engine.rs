@@ -417,6 +417,7 @@ impl Simulation {
                 let config = MemoryConfig {
                     max_cpu_loras: m.max_cpu_loras,
                     pinned: m.pinned.iter().copied().collect(),
+                    registered: m.registered.clone(),
                     // Validated within 0..=600,000 ms.
                     load_us: (load_ms * 1e3).round() as u64,
                     max_adapters: m.max_adapters,
@@ -768,7 +769,8 @@ enum Outcome {
     /// (`max_cpu_loras_per_tenant`): the server's 429, reason `tenant_busy`.
     TenantBusy,
     /// Refused as it asked for its adapter, not registered, by a registry full of adapters
-    /// in use or pinned (`lora_memory.max_adapters`): the server's 503, reason `unavailable`.
+    /// in use or configured (pinned or `registered`, `lora_memory.max_adapters`): the
+    /// server's 503, reason `unavailable`.
     Unavailable,
     Finished(switchyard_policies::FinishReason),
 }

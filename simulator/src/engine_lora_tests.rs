@@ -52,6 +52,7 @@ fn registry(max: usize, pinned: &[u32], load_ms: u64, max_adapters: usize) -> Op
     Some(MemoryConfig {
         max_cpu_loras: max,
         pinned: pinned.iter().copied().collect(),
+        registered: Vec::new(),
         load_us: load_ms * 1000,
         max_adapters,
     })
@@ -600,7 +601,7 @@ workload: {{trace: {}, format: jsonl}}
     let text = cmp.to_text();
     for want in [
         "fcfs: 1 of 3 requests refused as they asked for their LoRA adapter, not registered, \
-         the registry full (lora_memory.max_adapters) of adapters in use or pinned (the server \
+         the registry full (lora_memory.max_adapters) of adapters in use or configured (the server \
          answers them 503 unavailable): gold 1",
         "registry (max_adapters 2): 0 adapters unregistered to make room, 1 requests refused \
          by a full registry",
@@ -629,4 +630,69 @@ workload: {{trace: {}, format: jsonl}}
     large.policies[0].lora_memory.as_mut().unwrap().max_adapters = 64;
     assert_eq!(large, default);
     assert!(default.warnings.iter().all(|w| !w.contains("max_adapters")));
+}
+
+/// `lora_memory.registered`, the server's `lora.adapters` entries that are not pinned: from
+/// the spec to the run and its summary. Two long requests ask for adapters 1 and 2, a third
+/// for 3 at 30 ms, in a registry of 2 with memory for 4; 3 declared not at all, registered
+/// or pinned.
+#[test]
+fn a_spec_s_registered_adapters_hold_places_from_the_start() {
+    let dir = crate::scratch::ScratchDir::new("simlora-configured");
+    let trace = dir.join("t.jsonl");
+    let line = |at_s: f64, out: u32, adapter: u32| {
+        format!(
+            "{{\"arrival_s\": {at_s}, \"prompt_len\": 8, \"output_len\": {out}, \
+             \"adapter\": {adapter}}}\n"
+        )
+    };
+    let lines = [line(0.0, 4000, 1), line(0.0, 4000, 2), line(0.03, 1, 3)];
+    std::fs::write(&trace, lines.concat()).unwrap();
+    let simulate = |configured: &str| {
+        let yaml = format!(
+            "policies: [{{name: fcfs}}]
+scheduler: {{lora_memory: {{max_cpu_loras: 4, load_ms: 10, max_adapters: 2{configured}}}}}
+workload: {{trace: {}, format: jsonl}}
+",
+            trace.display()
+        );
+        let spec = SimulationSpec::from_yaml_str(&yaml, Path::new("t.yaml")).unwrap();
+        crate::simulate(&spec, false).unwrap()
+    };
+    let figures = |cmp: &crate::Comparison| {
+        let m = cmp.policies[0].lora_memory.clone().unwrap();
+        (m.pinned, m.registered, m.loads, m.registry_refusals)
+    };
+    let wait_of_3 = |runs: &[PolicyRun]| runs[0].records[2].adapter_wait_ms;
+    // Not declared: 1 and 2 are found and fill the registry, held; 3 is refused.
+    let (cmp, runs) = simulate("");
+    assert_eq!(outcomes(&runs[0]), ["length", "length", "unavailable"]);
+    assert_eq!(figures(&cmp), (0, 0, 2, 1));
+    // Registered: 3 holds a place from the start, in memory, so 2 finds the registry full of
+    // it and 1, held, and is refused; 3 is served at once.
+    let (cmp, runs) = simulate(", registered: [3]");
+    assert_eq!(outcomes(&runs[0]), ["length", "unavailable", "length"]);
+    assert_eq!(figures(&cmp), (0, 1, 1, 1));
+    assert_eq!(wait_of_3(&runs), Some(0.0));
+    assert!(cmp.to_text().contains(
+        "fcfs: LoRA memory (max_cpu_loras 4, 0 pinned, 1 registered, 10 ms a load from the spec)"
+    ));
+    assert!(cmp
+        .warnings
+        .iter()
+        .all(|w| !w.starts_with("scheduler.lora_memory.registered")));
+    // Pinned: the same run here (memory has room), counted as pinned.
+    let (pinned, pinned_runs) = simulate(", pinned: [3]");
+    assert_eq!(pinned_runs[0].records, runs[0].records);
+    assert_eq!(figures(&pinned), (1, 0, 1, 1));
+    // An id no request names is warned of: it holds a place in the registry for nothing.
+    let (cmp, runs) = simulate(", registered: [9]");
+    assert_eq!(outcomes(&runs[0]), ["length", "unavailable", "unavailable"]);
+    assert!(
+        cmp.warnings.iter().any(|w| w.starts_with(
+            "scheduler.lora_memory.registered: no request names adapter 9 "
+        )),
+        "{:?}",
+        cmp.warnings
+    );
 }

@@ -51,9 +51,25 @@ use std::path::Path;
 /// `1..=workload.adapters.count`, or a jsonl record's own `adapter`; a `0`, or an id past the
 /// count, is a likely slip).
 fn unused_pinned(pinned: &[u32], requests: &[trace::TraceRequest]) -> Option<String> {
+    unused_configured(("pinned", "one of max_cpu_loras'"), pinned, requests)
+}
+
+/// [`unused_pinned`] for `scheduler.lora_memory.registered`, whose adapters each hold one of
+/// `max_adapters`' places (in the registry) for nothing.
+fn unused_registered(registered: &[u32], requests: &[trace::TraceRequest]) -> Option<String> {
+    unused_configured(("registered", "one of max_adapters'"), registered, requests)
+}
+
+/// The warning of [`unused_pinned`] for the ids of `scheduler.lora_memory.<field>`, each of
+/// which holds `places` places.
+fn unused_configured(
+    (field, places): (&str, &str),
+    ids: &[u32],
+    requests: &[trace::TraceRequest],
+) -> Option<String> {
     let named: std::collections::BTreeSet<u32> =
         requests.iter().filter_map(|r| r.adapter).collect();
-    let unused: Vec<String> = pinned
+    let unused: Vec<String> = ids
         .iter()
         .filter(|a| !named.contains(a))
         .map(u32::to_string)
@@ -62,9 +78,9 @@ fn unused_pinned(pinned: &[u32], requests: &[trace::TraceRequest]) -> Option<Str
         return None;
     }
     Some(format!(
-        "scheduler.lora_memory.pinned: no request names adapter {} (adapters are the ids \
-         1..=workload.adapters.count, or a jsonl record's own `adapter`): pinned, {} \
-         one of max_cpu_loras' places for nothing",
+        "scheduler.lora_memory.{field}: no request names adapter {} (adapters are the ids \
+         1..=workload.adapters.count, or a jsonl record's own `adapter`): {field}, {} \
+         {places} places for nothing",
         unused.join(", "),
         if unused.len() == 1 {
             "it holds"
@@ -195,13 +211,9 @@ pub fn simulate(
             names.join(", ")
         ));
     }
-    if let Some(w) = spec
-        .scheduler
-        .lora_memory
-        .as_ref()
-        .and_then(|m| unused_pinned(&m.pinned, requests))
-    {
-        warnings.push(w);
+    if let Some(m) = &spec.scheduler.lora_memory {
+        warnings.extend(unused_pinned(&m.pinned, requests));
+        warnings.extend(unused_registered(&m.registered, requests));
     }
     if let Some(m) = spec
         .scheduler
@@ -472,6 +484,15 @@ mod tests {
             "{w}"
         );
         assert!(!w.contains("  "), "one line of prose: {w}");
+        // Registered ones hold places in the registry.
+        assert_eq!(unused_registered(&[1], &rs), None);
+        let w = unused_registered(&[1, 4], &rs).expect("a warning");
+        assert_eq!(
+            w,
+            "scheduler.lora_memory.registered: no request names adapter 4 (adapters are the ids \
+             1..=workload.adapters.count, or a jsonl record's own `adapter`): registered, it \
+             holds one of max_adapters' places for nothing"
+        );
     }
 
     #[test]

@@ -43,14 +43,22 @@
 //! requests use fill, decided before the read for all the steps (`share_fits`). The eviction for `max_cpu_loras` drops the unused adapters of tenants beyond their
 //! share first, then the least recently used.
 //!
-//! At the start only the pinned adapters are in memory (the server loads them as it
-//! registers them); every other adapter is loaded on its first request, as the server loads
-//! one found in `lora.adapter_dirs`, or one of `lora.adapters` evicted at start (charged to
-//! its request's tenant either way, as the server charges a reload). The registry's bound
-//! (`lora.max_adapters`) is modelled beside memory ([`crate::lora_registry`]): an adapter not
-//! in memory is registered as it is read (a found adapter unregistered for it when the
-//! registry is full), or refused (`unavailable`, the server's 503) when the registry is full
-//! of adapters in use or pinned; an adapter evicted but still registered is only read again.
+//! At the start memory holds what the server's start leaves there: it registers the
+//! adapters of `lora.adapters` in the file's order, reading each, and evicts after each
+//! registration, so the pinned ones stay and, of the others (the spec's `registered`, in their
+//! order), the last `max_cpu_loras - pinned` do, the earlier ones being the least recently
+//! used; those are in memory from the start, charged to no tenant (an operator's), and go as
+//! any other when memory needs room. The reads of the start, before the first request, are
+//! not counted (nor are the pinned ones'). Every other adapter is loaded on its first
+//! request, as the server loads one found in `lora.adapter_dirs`, or one of `lora.adapters`
+//! evicted (charged to its request's tenant either way, as the server charges a reload). The
+//! registry's bound (`lora.max_adapters`) is modelled beside memory
+//! ([`crate::lora_registry`]): the configured adapters, pinned or not, hold their places from
+//! the start and are never unregistered; an adapter not registered is registered as it is
+//! read (a found adapter unregistered for it when the registry is full), or refused
+//! (`unavailable`, the server's 503) when the registry is full of configured adapters and
+//! found ones in use; an adapter evicted but still registered (a configured one, or a found
+//! one not unregistered since) is only read again.
 //! What the model leaves out: a request's name
 //! check in `lora.adapter_dirs` before the front end (a look at the directories that reads
 //! nothing: the load is the one modelled here). Loads never fail here: every adapter's files
@@ -88,10 +96,15 @@ pub struct MemoryConfig {
     pub max_cpu_loras: usize,
     /// Adapters never evicted (at most `max_cpu_loras`), in memory from the start.
     pub pinned: BTreeSet<u32>,
+    /// The configuration's adapters that are not pinned (`lora.adapters` entries without
+    /// `pinned: true`), in the file's order, none of them pinned too: registered from the
+    /// start and never unregistered; the last `max_cpu_loras - pinned` of them are in memory
+    /// from the start, and each is evicted, and read again, as any other.
+    pub registered: Vec<u32>,
     /// Time to read one adapter from its files, in microseconds.
     pub load_us: u64,
-    /// Most adapters registered at once, the pinned ones included (`lora.max_adapters`,
-    /// [`crate::lora_registry`]).
+    /// Most adapters registered at once, the pinned and `registered` ones included
+    /// (`lora.max_adapters`, [`crate::lora_registry`]).
     pub max_adapters: usize,
 }
 
@@ -192,7 +205,7 @@ pub struct MemoryCounters {
     /// memory then dropped from it, and counted in `evictions` too).
     pub unregistrations: u64,
     /// Requests refused because their adapter was not registered and the registry was full
-    /// of adapters in use or pinned (`unavailable`).
+    /// of adapters in use or configured (pinned or `registered`: `unavailable`).
     pub registry_refusals: u64,
 }
 
@@ -229,19 +242,26 @@ pub struct LoraMemory {
 }
 
 impl LoraMemory {
-    /// Memory holding the pinned adapters only, the manager idle.
+    /// Memory as the server's start leaves it, the manager idle: the pinned adapters, and
+    /// the last of the `registered` ones that fit beside them in `max_cpu_loras`, each used
+    /// after the one before it (the server reads them in the file's order, each evicting the
+    /// least recently used beyond its bound).
     pub fn new(config: MemoryConfig) -> Self {
+        let room = config.max_cpu_loras.saturating_sub(config.pinned.len());
+        let kept = &config.registered[config.registered.len().saturating_sub(room)..];
         let mut clock = 0;
         let resident = config
             .pinned
             .iter()
+            .chain(kept)
             .map(|&a| {
                 clock += 1;
                 (a, clock)
             })
             .collect();
+        let configured = config.pinned.iter().chain(&config.registered).copied();
         LoraMemory {
-            registry: Registry::new(config.max_adapters, config.pinned.len()),
+            registry: Registry::new(config.max_adapters, configured),
             config,
             resident,
             in_use: BTreeMap::new(),
@@ -406,9 +426,10 @@ impl LoraMemory {
                 }
                 // Not registered (found in a directory, registered as it is read): refused
                 // before anything else when the registry is full of adapters that cannot go
-                // (the server's `register_held`, before the share's check).
+                // (the server's `register_held`, before the share's check). A registered one
+                // (configured, or found and not unregistered since) is only read again.
                 Message::Resolve { adapter, req, .. }
-                    if !self.registry.has_found(adapter)
+                    if !self.registry.is_registered(adapter)
                         && self.registry.is_full()
                         && self.registry_victim().is_none() =>
                 {
@@ -428,7 +449,7 @@ impl LoraMemory {
                     req,
                     charge,
                 } => {
-                    let registers = !self.registry.has_found(adapter);
+                    let registers = !self.registry.is_registered(adapter);
                     // Room made before the read when memory is full (the server's
                     // `make_read_room`); refused should the share have filled since the check.
                     let Some(unregisters) = self.make_read_room(charge, registers) else {
@@ -698,9 +719,20 @@ mod tests {
 
     /// [`memory`] with a registry of at most `max_adapters` adapters.
     fn registry_of(max: usize, pinned: &[u32], max_adapters: usize) -> LoraMemory {
+        configured_of(max, pinned, &[], max_adapters)
+    }
+
+    /// [`registry_of`] with the configuration's unpinned adapters `registered` too.
+    fn configured_of(
+        max: usize,
+        pinned: &[u32],
+        registered: &[u32],
+        max_adapters: usize,
+    ) -> LoraMemory {
         LoraMemory::new(MemoryConfig {
             max_cpu_loras: max,
             pinned: pinned.iter().copied().collect(),
+            registered: registered.to_vec(),
             load_us: LOAD,
             max_adapters,
         })
@@ -1145,19 +1177,35 @@ mod tests {
         /// one being read, unless all are held or pinned; pinned and held adapters are always
         /// in memory; no tenant has more adapters charged to it than its share; every request
         /// is served or refused once, refused by the share only with a share; the registry
-        /// holds at most `max_adapters`, every adapter in memory among them, and refuses
-        /// only while full.
+        /// holds at most `max_adapters`, every adapter in memory among them and the
+        /// configured ones (pinned or not) always, and refuses only while full, and never a
+        /// configured adapter's request.
         #[test]
         fn memory_stays_within_its_bound(
             max in 0usize..5,
             max_adapters in 1usize..7,
             pinned in proptest::collection::btree_set(0u32..12, 0..3),
+            registered in proptest::collection::vec(0u32..12, 0..4),
             shares in proptest::collection::vec(proptest::option::of(1usize..3), 3),
             ops in proptest::collection::vec(op(), 1..200),
         ) {
             let names = ["t0", "t1", "t2"];
             let pinned: Vec<u32> = pinned.into_iter().take(max.min(max_adapters)).collect();
-            let mut m = registry_of(max, &pinned, max_adapters);
+            // The configuration's others: each once, none pinned, all within max_adapters.
+            let mut configured: Vec<u32> = Vec::new();
+            for a in registered {
+                if !pinned.contains(&a) && !configured.contains(&a) {
+                    configured.push(a);
+                }
+            }
+            configured.truncate(max_adapters - pinned.len());
+            let mut m = configured_of(max, &pinned, &configured, max_adapters);
+            // The start leaves the pinned ones and the last configured ones that fit.
+            let room = max - pinned.len();
+            let mut at_start: Vec<u32> = pinned.clone();
+            at_start.extend(configured.iter().rev().take(room));
+            at_start.sort_unstable();
+            prop_assert_eq!(m.resident(), at_start);
             let mut unavailable = 0;
             let mut now = 0;
             let mut next_req = 0;
@@ -1243,15 +1291,22 @@ mod tests {
                 prop_assert_eq!(m.counters().share_refusals, refusals);
                 for &(at, req) in &out.unavailable {
                     prop_assert!(at <= now && answered.insert(req));
-                    // Refused by a full registry; its adapter was not registered then.
+                    // Refused by a full registry; its adapter was not registered then, so
+                    // not a configured one.
                     prop_assert!(m.registry.is_full());
+                    let a = asked[&req];
+                    prop_assert!(!pinned.contains(&a) && !configured.contains(&a), "{a}");
                     unavailable += 1;
                 }
                 prop_assert_eq!(m.counters().registry_refusals, unavailable);
                 prop_assert!(m.registry.len() <= max_adapters);
+                // The configured adapters are registered from the start, never as found.
+                for a in m.registered() {
+                    prop_assert!(!pinned.contains(&a) && !configured.contains(&a), "{a}");
+                }
                 for a in m.resident.keys() {
                     prop_assert!(
-                        pinned.contains(a) || m.registry.has_found(*a),
+                        m.registry.is_registered(*a),
                         "{a} in memory, not registered"
                     );
                 }

@@ -269,8 +269,9 @@ pub struct PolicySummary {
     #[serde(default)]
     pub tenant_busy: u64,
     /// Requests refused as they asked for their adapter, not registered, by a registry full
-    /// of adapters in use or pinned (`scheduler.lora_memory.max_adapters`, the server's
-    /// `lora.max_adapters`): the server's 503, reason `unavailable`.
+    /// of adapters in use or configured (pinned or `registered`,
+    /// `scheduler.lora_memory.max_adapters`, the server's `lora.max_adapters`): the server's
+    /// 503, reason `unavailable`.
     #[serde(default)]
     pub unavailable: u64,
     /// Requests sent per second in this run, over the span from the first sending to the
@@ -378,6 +379,10 @@ pub struct LoraMemorySummary {
     pub max_cpu_loras: u64,
     /// Adapters pinned.
     pub pinned: u64,
+    /// Adapters registered from the start and not pinned (`registered`; 0 in a summary
+    /// written before they were modelled).
+    #[serde(default)]
+    pub registered: u64,
     /// Time to read one adapter, in ms.
     pub load_ms: f64,
     /// Where `load_ms` came from: "the spec" or "calibration FILE".
@@ -408,7 +413,8 @@ pub struct LoraMemorySummary {
     #[serde(default)]
     pub unregistrations: u64,
     /// Requests refused (`unavailable`, counted there too) because their adapter was not
-    /// registered and the registry was full of adapters in use or pinned.
+    /// registered and the registry was full of adapters in use or configured (pinned or
+    /// `registered`).
     #[serde(default)]
     pub registry_refusals: u64,
     /// Requests that named an adapter, left the front end and got it (those refused by
@@ -440,6 +446,7 @@ impl LoraMemorySummary {
         LoraMemorySummary {
             max_cpu_loras: config.max_cpu_loras as u64,
             pinned: config.pinned.len() as u64,
+            registered: config.registered.len() as u64,
             load_ms: config.load_us as f64 / 1e3,
             load_ms_from: load_ms_from.to_string(),
             loads: counters.loads,
@@ -812,7 +819,7 @@ impl Comparison {
                 |p| p.unavailable,
                 |t| t.unavailable,
                 "refused as they asked for their LoRA adapter, not registered, the registry \
-                 full (lora_memory.max_adapters) of adapters in use or pinned (the server \
+                 full (lora_memory.max_adapters) of adapters in use or configured (the server \
                  answers them 503 unavailable)",
             ),
         ];
@@ -903,9 +910,15 @@ impl Comparison {
         }
         for p in &self.policies {
             let Some(m) = &p.lora_memory else { continue };
+            // Said only when the spec registers some, so that other runs' lines stay as they were.
+            let registered = if m.registered > 0 {
+                format!(", {} registered", m.registered)
+            } else {
+                String::new()
+            };
             let _ = writeln!(
                 s,
-                "{}: LoRA memory (max_cpu_loras {}, {} pinned, {} ms a load from {}): {} loads, {} \
+                "{}: LoRA memory (max_cpu_loras {}, {} pinned{}, {} ms a load from {}): {} loads, {} \
                  evictions ({} to make room in a tenant's share), {} requests refused by a \
                  tenant's full share, {} charges moved to a tenant using the adapter; registry \
                  (max_adapters {}): {} adapters unregistered to make room, {} requests refused \
@@ -914,6 +927,7 @@ impl Comparison {
                 p.policy,
                 m.max_cpu_loras,
                 m.pinned,
+                registered,
                 m.load_ms,
                 m.load_ms_from,
                 m.loads,

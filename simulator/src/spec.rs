@@ -19,7 +19,8 @@
 //! scheduler: { max_num_seqs: 256, max_num_batched_tokens: 8192, max_model_len: 8192 }
 //!   # lora: { rank: 16, targets: all }  # the adapters trace records name, for the roofline
 //!   # lora_memory: { max_cpu_loras: 8, pinned: [1, 2], load_ms: 40 }  # adapters in host memory
-//!   #   (and max_adapters: 64, the registry's size, as the server's lora.max_adapters)
+//!   #   (and max_adapters: 64, the registry's size, as the server's lora.max_adapters;
+//!   #   registered: [3, 4], lora.adapters entries that are not pinned)
 //! policies: [ { name: fcfs }, { name: slo-aware, params: {} } ]
 //! tiers:
 //!   premium: { ttft_ms: 500, tpot_ms: 50, weight: 4, priority: 0 }
@@ -364,15 +365,24 @@ pub struct LoraMemorySpec {
     /// memory from the start (the server's `lora.adapters[].pinned`): at most `max_cpu_loras`.
     #[serde(default)]
     pub pinned: Vec<u32>,
+    /// Adapter ids registered from the start but not pinned (the server's `lora.adapters`
+    /// entries without `pinned: true`), in the file's order: each holds a place in the
+    /// registry (`max_adapters`) for the whole run, never unregistered to make room, and is
+    /// evicted from memory as any other and read again on its next request, never refused
+    /// for the registry; the last `max_cpu_loras` less the pinned ones are in memory from the
+    /// start ([`crate::lora_registry`]). At most `max_adapters` with the pinned ones, each
+    /// once, none of them pinned too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub registered: Vec<u32>,
     /// Time to read one adapter from its files, in milliseconds (0 to 600,000): the server
     /// logs it per load ("LoRA adapter loaded", `ms`). Unset: the calibration file's
     /// `lora_load_ms` (`switchyard calibrate --lora` measures it); one of them is needed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub load_ms: Option<f64>,
     /// Most adapters registered at once (the server's `lora.max_adapters`, default 64, 1 to
-    /// 4,096): the pinned ones from the start, and every other adapter from its first request
-    /// (as one found in `lora.adapter_dirs`) until it is unregistered to make room for another
-    /// ([`crate::lora_registry`]). Only registered adapters are in memory, so below
+    /// 4,096): the pinned and `registered` ones from the start, and every other adapter from
+    /// its first request (as one found in `lora.adapter_dirs`) until it is unregistered to
+    /// make room for another ([`crate::lora_registry`]). Only registered adapters are in memory, so below
     /// `max_cpu_loras` it bounds memory; a request for an adapter not registered while the
     /// registry is full of adapters in use (or pinned) is refused (`unavailable`, the server's
     /// 503).
@@ -451,6 +461,30 @@ impl LoraMemorySpec {
             if self.pinned[..i].contains(a) {
                 return Err(format!(
                     "scheduler.lora_memory.pinned[{i}]: adapter {a} is listed twice"
+                ));
+            }
+        }
+        let configured = self.pinned.len().saturating_add(self.registered.len());
+        if configured > self.max_adapters {
+            return Err(format!(
+                "scheduler.lora_memory.registered: {} adapters and {} pinned, {configured} \
+                 in all, but at most max_adapters ({}) may be registered (the server refuses \
+                 more lora.adapters)",
+                self.registered.len(),
+                self.pinned.len(),
+                self.max_adapters
+            ));
+        }
+        for (i, a) in self.registered.iter().enumerate() {
+            if self.registered[..i].contains(a) {
+                return Err(format!(
+                    "scheduler.lora_memory.registered[{i}]: adapter {a} is listed twice"
+                ));
+            }
+            if self.pinned.contains(a) {
+                return Err(format!(
+                    "scheduler.lora_memory.registered[{i}]: adapter {a} is pinned too (the \
+                     server's lora.adapters lists an adapter once, pinned or not)"
                 ));
             }
         }
@@ -2138,6 +2172,14 @@ workload:
             (m.max_cpu_loras, m.pinned.len(), m.load_ms, m.max_adapters),
             (8, 0, Some(40.0), 64)
         );
+        assert!(m.registered.is_empty());
+        // The file's order is kept: it says which are in memory at the start.
+        let listed = parse(&with(
+            "lora_memory: {pinned: [1], registered: [7, 3, 5], load_ms: 40}",
+            "",
+        ))
+        .unwrap();
+        assert_eq!(listed.scheduler.lora_memory.unwrap().registered, [7, 3, 5]);
         let a = s.workload.adapters.unwrap();
         assert_eq!(
             (a.popularity, a.s, a.fraction),
@@ -2176,6 +2218,35 @@ workload:
             (
                 with("lora_memory: {pinned: [4, 5, 4], load_ms: 1}", ""),
                 "scheduler.lora_memory.pinned[2]: adapter 4 is listed twice",
+            ),
+            (
+                with(
+                    "lora_memory: {max_adapters: 3, pinned: [1, 2], registered: [3, 4], \
+                     load_ms: 1}",
+                    "",
+                ),
+                "scheduler.lora_memory.registered: 2 adapters and 2 pinned, 4 in all, but at \
+                 most max_adapters (3) may be registered",
+            ),
+            (
+                with("lora_memory: {registered: [4, 5, 4], load_ms: 1}", ""),
+                "scheduler.lora_memory.registered[2]: adapter 4 is listed twice",
+            ),
+            (
+                with(
+                    "lora_memory: {pinned: [5], registered: [4, 5], load_ms: 1}",
+                    "",
+                ),
+                "scheduler.lora_memory.registered[1]: adapter 5 is pinned too",
+            ),
+            (
+                with("lora_memory: {registered: [-1], load_ms: 1}", ""),
+                "scheduler.lora_memory.registered[0]: invalid type: integer `-1`, expected u32",
+            ),
+            (
+                with("lora_memory: {registred: [4], load_ms: 1}", ""),
+                "unknown field `registred`, expected one of `max_cpu_loras`, `pinned`, \
+                 `registered`, `load_ms`, `max_adapters` (did you mean `registered`?)",
             ),
             (
                 with("lora_memory: {load_ms: -1}", ""),
