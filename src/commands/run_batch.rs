@@ -7,7 +7,9 @@
 //! [`switchyard_api::configure`] and called as a service: no socket is opened, and each line's
 //! answer is the one `serve` gives for the same body (validation, errors and all). The API is
 //! open (no keys; its requests are the anonymous tenant's at the default tier) and the tiers'
-//! rate limits are off: an offline job has no other client to share with.
+//! rate limits are off: an offline job has no other client to share with. A response's
+//! `store` is honoured where it outlives the run: in `server.responses.path`'s journal, opened
+//! as `serve` opens it; without one, storing is off ([`journaled_store`]).
 //!
 //! Lines run concurrently, so that the scheduler batches them: at most a window of
 //! 2 × `scheduler.max_num_seqs` lines (and no more than `server.max_pending_requests`) is
@@ -21,7 +23,8 @@
 //! The output goes to `OUTPUT.partial` and is renamed to `OUTPUT` at the end, so no half file
 //! is ever under the final name. On SIGINT or SIGTERM the requests in flight are aborted, the
 //! lines done so far (a prefix of the input, in order) stay in `OUTPUT.partial`, and the
-//! command fails saying how many they are.
+//! command fails saying how many they are; during the model load, before any output exists,
+//! the command fails at once ([`super::stop_signals`]).
 
 mod lines;
 
