@@ -24,6 +24,10 @@ fn completion_body() -> Value {
     json!({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 12, "temperature": 0})
 }
 
+fn responses_body() -> Value {
+    json!({"input": "Write a haiku about trains.", "max_output_tokens": 12, "temperature": 0})
+}
+
 fn embeddings_body() -> Value {
     json!({"input": "A train crosses the valley."})
 }
@@ -54,7 +58,11 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "Hi"}], "stream": true}),
         ),
-        line("unknown-url", "/v1/responses", json!({"input": "Hi"})),
+        line("responses", "/v1/responses", responses_body()),
+        line("unknown-url", "/v1/moderations", json!({"input": "Hi"})),
+        json!({"custom_id": 1, "method": "POST", "url": "/v1/completions",
+               "body": completion_body()})
+        .to_string(),
         String::new(),
         line("refused", "/v1/completions", refused_body()),
     ]
@@ -76,7 +84,7 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "run-batch failed:\n{stderr}");
     assert!(
-        stderr.contains("run-batch: 7 lines, 3 succeeded, 4 failed"),
+        stderr.contains("run-batch: 9 lines, 4 succeeded, 5 failed"),
         "{stderr}"
     );
     assert!(!dir.join("results.jsonl.partial").exists());
@@ -93,7 +101,9 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
             "embedding",
             "<null>",
             "streamed",
+            "responses",
             "unknown-url",
+            "<null>",
             "refused"
         ]
     );
@@ -108,13 +118,15 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     }
     let status = |i: usize| lines[i]["response"]["status_code"].as_u64();
     assert_eq!(
-        (0..7).map(status).collect::<Vec<_>>(),
+        (0..9).map(status).collect::<Vec<_>>(),
         [
             Some(200),
             Some(200),
             Some(200),
             None,
             Some(400),
+            Some(200),
+            None,
             None,
             Some(400)
         ]
@@ -162,15 +174,38 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
         "{}",
         lines[3]
     );
-    assert_eq!(lines[5]["response"], Value::Null);
-    assert_eq!(lines[5]["error"]["code"], "invalid_url");
+    assert_eq!(lines[6]["response"], Value::Null);
+    assert_eq!(lines[6]["error"]["code"], "invalid_url");
     assert!(
-        lines[5]["error"]["message"]
+        lines[6]["error"]["message"]
             .as_str()
-            .is_some_and(|m| m.starts_with("line 6: ")),
+            .is_some_and(|m| m.starts_with("line 7: ")),
         "{}",
-        lines[5]
+        lines[6]
     );
+    // A custom_id that is no string: an error naming its type.
+    assert_eq!(lines[7]["response"], Value::Null);
+    assert_eq!(lines[7]["error"]["code"], "invalid_custom_id");
+    assert_eq!(
+        lines[7]["error"]["message"],
+        "line 8: custom_id must be a string, not a number"
+    );
+
+    // The response: the server's output and usage for the same body. The configuration
+    // names no journal (server.responses.path), so the batch stores nothing (`store` false)
+    // where the server keeps it in memory.
+    let batch_response = &lines[5]["response"]["body"];
+    let (code, served) = server.post_json("/v1/responses", &responses_body());
+    assert_eq!(code, 200, "{served}");
+    assert_eq!(batch_response["object"], "response");
+    let text = |r: &Value| r["output"][0]["content"][0]["text"].clone();
+    assert!(text(batch_response).is_string(), "{batch_response}");
+    assert_eq!(text(batch_response), text(&served));
+    assert_eq!(batch_response["status"], served["status"]);
+    assert_eq!(batch_response["usage"], served["usage"]);
+    assert_eq!(lines[5]["response"]["request_id"], batch_response["id"]);
+    assert_eq!(batch_response["store"], false);
+    assert_eq!(served["store"], true);
 
     // A stream is refused as a request: the API's error body, naming the field.
     assert_eq!(lines[4]["error"], Value::Null);
@@ -187,10 +222,10 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     // A request the API refuses: the server's status and error body.
     let (code, served) = server.post_json("/v1/completions", &refused_body());
     assert_eq!(code, 400, "{served}");
-    assert_eq!(lines[6]["response"]["body"], served);
-    assert_eq!(lines[6]["error"], Value::Null);
-    // Blank line 7 is no request; the refused line is line 8 of the file.
-    assert_eq!(lines[6]["custom_id"], "refused");
+    assert_eq!(lines[8]["response"]["body"], served);
+    assert_eq!(lines[8]["error"], Value::Null);
+    // Blank line 9 is no request; the refused line is line 10 of the file.
+    assert_eq!(lines[8]["custom_id"], "refused");
 }
 
 #[test]

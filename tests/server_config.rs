@@ -952,7 +952,8 @@ fn a_request_larger_than_max_pending_requests_is_a_400_not_a_retryable_503() {
 /// request in flight) and its SLO target to the requests that follow, with nothing named as
 /// taking a restart; a reload that would open the API changes
 /// nothing. The series of a tenant or tier removed leave `/metrics` (those of the tenants and
-/// tiers kept stay), and come back, their counts where they were, when it is configured again.
+/// tiers kept stay), and come back, their counts where they were, when it is configured again;
+/// a tenant whose key moves to another tier shows under the new tier only.
 #[test]
 fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
     const ACME: &str = "Bearer gold-tenant-acme-key-0001";
@@ -1156,8 +1157,17 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
 
     // Gold and acme's key back: their series are shown again, acme's counts where they were
     // (a counter that goes on), and gold's KV gauge (at what its requests hold: carol's, if
-    // still running, count again); carol's stay out of sight.
-    std::fs::write(&keys_file, entry(ACME, "acme") + &silver(DAVE, "dave")).expect("keys");
+    // still running, count again); carol's stay out of sight. Dave's key moves to gold: his
+    // silver series leave (silver's own stay), his gold ones start at zero.
+    let dave_in = |tier: &str| {
+        let (tier, tenant) = (format!("tier=\"{tier}\""), "tenant=\"dave\"");
+        let r = s.request("GET", "/metrics", None, &[]).expect("/metrics");
+        (r.body.lines())
+            .filter(|l| !l.starts_with('#') && l.contains(&tier) && l.contains(tenant))
+            .count()
+    };
+    assert!(dave_in("silver") > 0);
+    std::fs::write(&keys_file, entry(ACME, "acme") + &entry(DAVE, "dave")).expect("keys");
     edit_config(&s, "tiers:\n", "tiers:\n  gold: { ttft_ms: 600000 }\n");
     s.hang_up();
     s.wait_logged("SIGHUP: reload finished", 4);
@@ -1170,6 +1180,18 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
         0,
         "carol is not configured again"
     );
+    assert_eq!(
+        dave_in("silver"),
+        0,
+        "dave's former tier's series are hidden"
+    );
+    assert!(series("tier=\"silver\"") > 0, "silver is still a tier");
+    let dave_gold = ["tier=\"gold\"", "tenant=\"dave\""];
+    assert!(dave_in("gold") > 0);
+    assert_eq!(s.labelled_metric(success, &dave_gold), 0.0);
+    let r = s.complete_as(DAVE, &short);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(s.labelled_metric(success, &dave_gold), 1.0);
     let r = s.complete_as(ACME, &short);
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(

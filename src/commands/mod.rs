@@ -12,6 +12,7 @@ mod run_batch;
 mod runtime;
 mod serve;
 mod simulate;
+mod stop_signals;
 
 use crate::cli::{Cli, Command};
 use std::io::IsTerminal;

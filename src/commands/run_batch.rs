@@ -7,7 +7,9 @@
 //! [`switchyard_api::configure`] and called as a service: no socket is opened, and each line's
 //! answer is the one `serve` gives for the same body (validation, errors and all). The API is
 //! open (no keys; its requests are the anonymous tenant's at the default tier) and the tiers'
-//! rate limits are off: an offline job has no other client to share with.
+//! rate limits are off: an offline job has no other client to share with. A response's
+//! `store` is honoured where it outlives the run: in `server.responses.path`'s journal, opened
+//! as `serve` opens it; without one, storing is off ([`journaled_store`]).
 //!
 //! Lines run concurrently, so that the scheduler batches them: at most a window of
 //! 2 × `scheduler.max_num_seqs` lines (and no more than `server.max_pending_requests`) is
@@ -21,7 +23,8 @@
 //! The output goes to `OUTPUT.partial` and is renamed to `OUTPUT` at the end, so no half file
 //! is ever under the final name. On SIGINT or SIGTERM the requests in flight are aborted, the
 //! lines done so far (a prefix of the input, in order) stay in `OUTPUT.partial`, and the
-//! command fails saying how many they are.
+//! command fails saying how many they are; during the model load, before any output exists,
+//! the command fails at once ([`super::stop_signals`]).
 
 mod lines;
 
@@ -29,6 +32,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 use actix_service::IntoServiceFactory;
@@ -41,12 +45,13 @@ use anyhow::Context;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
+use switchyard_api::response_store::ResponseStore;
 use switchyard_api::ApiState;
 use switchyard_gpu::progress::ProgressSink;
-use tokio::signal::unix::{signal, SignalKind};
 
 use self::lines::{BatchRequest, InOrder, InputLine, LineError, Outcome};
 use super::serve::{self, LoadOptions, RunningEngine};
+use super::stop_signals::{Interrupted, StopSignals};
 use crate::cli::RunBatchArgs;
 
 pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
@@ -65,7 +70,15 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
     let tiers = super::config::tier_specs(&config);
     let policy = super::config::build_policy(&config.scheduler.policy, &tiers)
         .with_context(|| format!("{}: scheduler.policy", args.config.display()))?;
-    let loaded = serve::load_engine(
+    // Opened (and locked) before the load, as `serve` opens it: a server on it fails fast.
+    let journal = journaled_store(&config)?;
+    let system = actix_web::rt::System::new();
+    // From here on SIGINT and SIGTERM are watched: during the load, which they end at once
+    // (nothing is written yet), then by the lines' loop.
+    let mut stops = StopSignals::install(&system)?;
+    let loaded = serve::load_engine_interruptible(
+        &system,
+        &mut stops,
         &config,
         &path,
         &tiers,
@@ -73,11 +86,22 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
             metrics: false,
             metrics_tenants: Default::default(),
         },
-    )?;
+    )
+    .map_err(|e| match e.downcast_ref::<Interrupted>() {
+        Some(stop) => {
+            anyhow::anyhow!("{stop} while the model loaded: no line ran and no output was written")
+        }
+        None => e,
+    })?;
     let mut api_config = loaded.api_config(&config, Vec::new());
     api_config.rate_limits.clear();
     api_config.admin_key = None;
     api_config.cors = None;
+    if journal.is_none() {
+        // Nothing a line stores could be read after the run: storing is off, and the
+        // answers say `"store": false`.
+        api_config.responses_store.max_responses = 0;
+    }
     let window = (2 * config.scheduler.max_num_seqs)
         .min(loaded.max_pending_requests())
         .max(1);
@@ -85,11 +109,13 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
         window,
         max_line_bytes: config.server.max_body_bytes + lines::ENVELOPE_BYTES,
     };
-    let system = actix_web::rt::System::new();
     system.block_on(async move {
         let RunningEngine { adapter, .. } =
             serve::start_engine(loaded, policy, &config, tiers).await?;
-        let state = ApiState::new(adapter, api_config, None);
+        let mut state = ApiState::new(adapter, api_config, None);
+        if let Some(store) = &journal {
+            state = state.with_response_store(Arc::clone(store));
+        }
         let app = actix_web::App::new()
             .configure(|cfg| switchyard_api::configure(cfg, state.clone()))
             .into_factory();
@@ -98,9 +124,33 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
             .await
             .map_err(|()| anyhow::anyhow!("the HTTP layer's routes could not be built"))?;
         let writer = output.open()?;
-        let summary = run_lines(Rc::new(service), &requests, limits, writer).await;
+        let summary = run_lines(Rc::new(service), &requests, limits, writer, stops).await;
+        if let Some(store) = &journal {
+            // The responses the lines stored are in the journal before the process ends.
+            store.sync();
+        }
         output.finish(summary)
     })
+}
+
+/// The store of responses a batch keeps its stored responses in: the journal of
+/// `server.responses.path`, as `serve` opens it, when the configuration names one and storing
+/// is on; otherwise none, and storing is off for the batch (an in-memory store would be gone
+/// with the process, so a line's `"store": true` could not be honoured).
+fn journaled_store(
+    config: &switchyard_config::Config,
+) -> anyhow::Result<Option<Arc<ResponseStore>>> {
+    let limits = serve::store_limits(config);
+    let Some(dir) = config.server.responses.path.as_deref() else {
+        return Ok(None);
+    };
+    if !limits.enabled() {
+        return Ok(None);
+    }
+    let dir = switchyard_config::expand_home(dir);
+    let store = ResponseStore::open(limits, Some(&dir))
+        .with_context(|| format!("server.responses.path `{}`", dir.display()))?;
+    Ok(Some(Arc::new(store)))
 }
 
 /// How many lines may be under way at once, and how long one may be.
@@ -148,6 +198,7 @@ async fn run_lines<S, B>(
     requests: &[InputLine<'_>],
     limits: Limits,
     writer: Box<dyn Write>,
+    mut stops: StopSignals,
 ) -> Summary
 where
     S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>
@@ -187,10 +238,6 @@ where
     };
     let mut in_flight: HashMap<usize, actix_web::rt::task::JoinHandle<()>> = HashMap::new();
     let result: anyhow::Result<()> = async {
-        let mut interrupt =
-            signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
-        let mut terminate =
-            signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
         let mut retry: VecDeque<(usize, BatchRequest)> = VecDeque::new();
         let mut may_retry = false;
         let mut next = 0;
@@ -206,13 +253,15 @@ where
                 next += 1;
                 match lines::parse_line(requests[index], limits.max_line_bytes) {
                     Err(e) => sink.finish(index, None, Outcome::Error(e))?,
-                    Ok(r) if lines::wants_stream(&r.body) => {
-                        let outcome = stream_refusal(&mut sink.ids);
-                        sink.finish(index, Some(&r.custom_id), outcome)?
-                    }
-                    Ok(r) => {
-                        in_flight.insert(index, spawn(index, r));
-                    }
+                    Ok(r) => match lines::unbatchable(r.url, &r.body) {
+                        Some(field) => {
+                            let outcome = refusal(field, &mut sink.ids);
+                            sink.finish(index, Some(&r.custom_id), outcome)?
+                        }
+                        None => {
+                            in_flight.insert(index, spawn(index, r));
+                        }
+                    },
                 }
             }
             if in_flight.is_empty() && retry.is_empty() && next == requests.len() {
@@ -236,8 +285,7 @@ where
                         sink.finish(done.index, Some(&done.request.custom_id), done.outcome)?;
                     }
                 }
-                _ = interrupt.recv() => return Err(Interrupted.into()),
-                _ = terminate.recv() => return Err(Interrupted.into()),
+                stop = stops.recv() => return Err(stop.into()),
             }
         }
     }
@@ -303,18 +351,6 @@ impl Sink {
         Ok(())
     }
 }
-
-/// A signal stopped the run.
-#[derive(Debug)]
-struct Interrupted;
-
-impl std::fmt::Display for Interrupted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("interrupted")
-    }
-}
-
-impl std::error::Error for Interrupted {}
 
 /// Whether `outcome` is the engine turning a line away because the batch's own lines fill it:
 /// such a line is run again once another ends (see the module's docs).
@@ -401,12 +437,10 @@ fn internal(request: &BatchRequest, message: String) -> Outcome {
     })
 }
 
-/// The 400 a line with `"stream": true` gets: the API's error body, naming `stream`.
-fn stream_refusal(ids: &mut ChaCha8Rng) -> Outcome {
-    let error = switchyard_api::ApiError::invalid(
-        "stream",
-        "a batch answer is whole: \"stream\": true is not supported in a batch file",
-    );
+/// The 400 a line asking for what a batch cannot answer gets (see [`lines::unbatchable`]):
+/// the API's error body, naming the field.
+fn refusal(field: lines::Unbatchable, ids: &mut ChaCha8Rng) -> Outcome {
+    let error = switchyard_api::ApiError::invalid(field.param(), field.message());
     Outcome::Response {
         status_code: error.status_code().as_u16(),
         request_id: format!("req_{:032x}", ids.random::<u128>()),
@@ -595,17 +629,19 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_is_refused_with_the_api_error_body() {
+    fn an_unbatchable_line_is_refused_with_the_api_error_body() {
         let mut ids = ChaCha8Rng::seed_from_u64(1);
-        let Outcome::Response {
-            status_code, body, ..
-        } = stream_refusal(&mut ids)
-        else {
-            panic!("a response");
-        };
-        assert_eq!(status_code, 400);
-        assert_eq!(body["error"]["param"], "stream");
-        assert_eq!(body["error"]["type"], "invalid_request_error");
+        for field in [lines::Unbatchable::Stream, lines::Unbatchable::Background] {
+            let Outcome::Response {
+                status_code, body, ..
+            } = refusal(field, &mut ids)
+            else {
+                panic!("a response");
+            };
+            assert_eq!(status_code, 400);
+            assert_eq!(body["error"]["param"], field.param());
+            assert_eq!(body["error"]["type"], "invalid_request_error");
+        }
     }
 
     #[test]

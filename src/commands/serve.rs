@@ -53,6 +53,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 
 use super::runtime;
+use super::stop_signals::{Interrupted, StopSignals};
 use crate::cli::ServeArgs;
 
 /// Deltas buffered per request before a slow client is cut off.
@@ -133,7 +134,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         super::config::field_origin(&args.config, &args.overrides, field)
     })?;
     checks::warn_if_open(api_keys.is_empty(), bind);
-    let loaded = load_engine(
+    // From here on SIGINT and SIGTERM are watched: during the load, which they end at once,
+    // then (the same listeners, so that none is lost while the engine starts) by the loop.
+    let mut stops = StopSignals::install(&system)?;
+    let loaded = load_engine_interruptible(
+        &system,
+        &mut stops,
         &config,
         &path,
         &tiers,
@@ -141,7 +147,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             metrics: prometheus.is_some(),
             metrics_tenants: key_tenants.into_iter().map(|(tenant, _)| tenant).collect(),
         },
-    )?;
+    )
+    .map_err(|e| match e.downcast_ref::<Interrupted>() {
+        Some(stop) => anyhow::anyhow!("{stop} while the model loaded: the server did not start"),
+        None => e,
+    })?;
     let api_is_open = api_keys.is_empty();
     let api_config = loaded.api_config(&config, api_keys);
     let options = ServerOptions {
@@ -192,7 +202,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             handle,
             drain,
         };
-        actix_web::rt::spawn(shutdown::handle_signals(hangup, reloader, shutdown));
+        actix_web::rt::spawn(shutdown::handle_signals(hangup, stops, reloader, shutdown));
         server.await?;
         // Background responses that ended during the drain are in the journal before exit.
         responses.sync();
@@ -258,6 +268,23 @@ impl LoadedEngine {
     pub(super) fn max_pending_requests(&self) -> usize {
         self.engine_config.max_pending_requests
     }
+}
+
+/// [`load_engine`] on a thread of its own, given up as soon as `stops` sees SIGINT or SIGTERM
+/// (then the error is [`Interrupted`]): the load of `serve` and `run-batch`, which holds no
+/// file they write and is left to end with the process.
+pub(super) fn load_engine_interruptible(
+    system: &actix_web::rt::SystemRunner,
+    stops: &mut StopSignals,
+    config: &Config,
+    path: &Path,
+    tiers: &[TierSpec],
+    options: LoadOptions,
+) -> anyhow::Result<LoadedEngine> {
+    let (config, path, tiers) = (config.clone(), path.to_owned(), tiers.to_vec());
+    stops.interruptible(system, "model-load", move || {
+        load_engine(&config, &path, &tiers, options)
+    })
 }
 
 /// Loads the model at `path` as `config` says, builds its backend and configures the engine
@@ -635,7 +662,7 @@ fn api_config(
 }
 
 /// The bounds of the store of responses (`server.responses`).
-fn store_limits(config: &Config) -> StoreLimits {
+pub(super) fn store_limits(config: &Config) -> StoreLimits {
     StoreLimits {
         max_responses: config.server.responses.max_stored,
         max_bytes: config.server.responses.max_stored_mb << 20,

@@ -1,4 +1,5 @@
-//! Hiding the series of tenants and tiers a reload removed from `/metrics`.
+//! Hiding the series of tenants and tiers a reload removed from `/metrics`, and those of a
+//! tenant under a tier it no longer has.
 //!
 //! The exporter (metrics-exporter-prometheus 0.18) keeps every series it was ever handed: its
 //! registry is private to its recorder, its handle can only render, and its one way of letting
@@ -6,18 +7,25 @@
 //! by kind of metric, not by label: the series made at zero for a configured tenant that has
 //! sent nothing yet would go too. So the one place `/metrics` is rendered passes the text
 //! through [`ConfiguredLabels::retain_configured`], which drops each sample line whose
-//! `tenant` label is not one of the API keys' tenants, or whose `tier` label is not one of the
-//! configured tiers, as [`crate::ApiState::reload_access`] last put them in force. For
-//! Prometheus a series that leaves the scrape is stale: a removed tenant no longer looks
-//! present, and dashboards' cardinality follows the configuration.
+//! `tenant` label is not one of the API keys' tenants, whose `tier` label is not one of the
+//! configured tiers, or that carries both and whose pair is not one of an API key's (tenant,
+//! tier): the request outcome counters (`request_success_total`, `request_aborted_total`,
+//! `request_failure_total`) and `rate_limited_total` carry both, so a tenant whose keys moved
+//! from `gold` to `silver` shows its `silver` series only. All as
+//! [`crate::ApiState::reload_access`] last put them in force. For Prometheus a series that
+//! leaves the scrape is stale: a removed tenant, or a tenant's former tier, no longer looks
+//! present, and dashboards' cardinality follows the configuration. The exporter keeps the
+//! hidden series' values: a tenant that comes back (or moves back) shows its counters where
+//! they were, still monotonic.
 //!
 //! Matching is exact: a label value is compared, as the exposition spells it (escaped by the
 //! exporter's own [`sanitize_label_value`]), with the configured names escaped the same way, so
 //! `a` never matches `ab` and a name with `"` or `\` is found as written. The cost is linear
-//! in the exposition's length (one pass, one hash lookup per `tenant` or `tier` label).
+//! in the exposition's length (one pass, one hash lookup per `tenant` or `tier` label and one
+//! per line that has both).
 //! `# HELP` and `# TYPE` lines stay whole, even for a metric whose every series is hidden.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use metrics_exporter_prometheus::formatting::sanitize_label_value;
 
@@ -31,25 +39,39 @@ pub(crate) struct ConfiguredLabels {
     tenants: HashSet<String>,
     /// The configured tiers' names, escaped.
     tiers: HashSet<String>,
+    /// Each tenant's tiers (those of its API keys), all escaped.
+    tenant_tiers: HashMap<String, HashSet<String>>,
 }
 
 impl ConfiguredLabels {
-    /// The label values of `tenants` and `tiers` (each name as configured, unescaped).
+    /// The label values of the API keys' `(tenant, tier)` pairs and of the configured `tiers`
+    /// (each name as configured, unescaped).
     pub(crate) fn new<'a>(
-        tenants: impl IntoIterator<Item = &'a str>,
+        keys: impl IntoIterator<Item = (&'a str, &'a str)>,
         tiers: impl IntoIterator<Item = &'a str>,
     ) -> Self {
+        let mut tenant_tiers: HashMap<String, HashSet<String>> = HashMap::new();
+        for (tenant, tier) in keys {
+            tenant_tiers
+                .entry(sanitize_label_value(tenant))
+                .or_default()
+                .insert(sanitize_label_value(tier));
+        }
         Self {
-            tenants: tenants.into_iter().map(sanitize_label_value).collect(),
+            tenants: tenant_tiers.keys().cloned().collect(),
             tiers: tiers.into_iter().map(sanitize_label_value).collect(),
+            tenant_tiers,
         }
     }
 
-    /// The labels of `config`: its API keys' tenants and its tiers (on an open API no series
-    /// carries a tenant, so none is needed).
+    /// The labels of `config`: its API keys' tenants, with their tiers, and its tiers (on an
+    /// open API no series carries a tenant, so none is needed).
     pub(crate) fn of(config: &crate::ApiConfig) -> Self {
         Self::new(
-            config.api_keys.iter().map(|k| k.tenant.as_str()),
+            config
+                .api_keys
+                .iter()
+                .map(|k| (k.tenant.as_str(), k.tier.as_str())),
             config.tiers.iter().map(String::as_str),
         )
     }
@@ -67,8 +89,9 @@ impl ConfiguredLabels {
     }
 
     /// Whether `line` stays: a comment, a blank line, a sample without labels, one whose
-    /// `tenant` and `tier` (where it has them) are configured, and, so that nothing is hidden
-    /// by mistake, any line this parser does not read as a sample (the exporter writes none).
+    /// `tenant` and `tier` (where it has them) are configured, as a pair of an API key's where
+    /// it has both, and, so that nothing is hidden by mistake, any line this parser does not
+    /// read as a sample (the exporter writes none).
     fn shows(&self, line: &str) -> bool {
         let bytes = line.as_bytes();
         // A metric name holds neither `{` nor a space; the first of the two ends it.
@@ -78,12 +101,21 @@ impl ConfiguredLabels {
         if line.starts_with('#') || bytes[open] != b'{' {
             return true;
         }
+        let (mut tenant, mut tier) = (None, None);
+        // The labels' end: the pair, where the line has both, must be a key's.
+        let pair_configured = |tenant: Option<&str>, tier: Option<&str>| match (tenant, tier) {
+            (Some(tenant), Some(tier)) => self
+                .tenant_tiers
+                .get(tenant)
+                .is_some_and(|tiers| tiers.contains(tier)),
+            _ => true,
+        };
         let mut i = open + 1;
         loop {
             let key_start = i;
             while i < bytes.len() && bytes[i] != b'=' {
                 if bytes[i] == b'}' {
-                    return true;
+                    return pair_configured(tenant, tier);
                 }
                 i += 1;
             }
@@ -111,9 +143,17 @@ impl ConfiguredLabels {
             if configured.is_some_and(|names| !names.contains(value)) {
                 return false;
             }
+            match key {
+                LABEL_TENANT => tenant = Some(value),
+                LABEL_TIER => tier = Some(value),
+                _ => {}
+            }
             i += 1;
-            if bytes.get(i) != Some(&b',') {
-                return true;
+            match bytes.get(i) {
+                Some(&b',') => {}
+                Some(&b'}') => return pair_configured(tenant, tier),
+                // Not a sample as the exporter writes one: kept.
+                _ => return true,
             }
             i += 1;
         }
@@ -123,7 +163,9 @@ impl ConfiguredLabels {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::{prometheus_builder, REQUEST_SUCCESS, TIME_TO_FIRST_TOKEN};
+    use crate::metrics::{
+        prometheus_builder, LABEL_LIMIT, RATE_LIMITED, REQUEST_SUCCESS, TIME_TO_FIRST_TOKEN,
+    };
 
     /// Renders, through the exporter, `tenants`' success counters (tier `gold`) and `tiers`'
     /// TTFT histograms, one sample each, with help text.
@@ -161,7 +203,7 @@ mod tests {
     /// and returns the success counters' sample lines left.
     fn check_tenants(tenants: &[&str], configured: &[&str]) -> Vec<String> {
         let text = exposition(tenants, &[]);
-        let labels = ConfiguredLabels::new(configured.iter().copied(), ["gold"]);
+        let labels = ConfiguredLabels::new(configured.iter().map(|&t| (t, "gold")), ["gold"]);
         let kept = labels.retain_configured(&text);
         samples(&kept, REQUEST_SUCCESS)
             .into_iter()
@@ -229,7 +271,7 @@ mod tests {
         };
         // 22 buckets, +Inf, _sum and _count.
         assert_eq!(ttft(&text, "silver"), 25, "{text}");
-        let kept = ConfiguredLabels::new(["acme"], ["gold"]).retain_configured(&text);
+        let kept = ConfiguredLabels::new([("acme", "gold")], ["gold"]).retain_configured(&text);
         assert_eq!(ttft(&kept, "silver"), 0, "{kept}");
         assert_eq!(ttft(&kept, "gold"), 25, "{kept}");
         // Only silver's lines went.
@@ -239,7 +281,7 @@ mod tests {
             "{text}\n---\n{kept}"
         );
         // Gold removed too: the metric's help and type stay, with no sample.
-        let kept = ConfiguredLabels::new(["acme"], []).retain_configured(&text);
+        let kept = ConfiguredLabels::new([("acme", "gold")], []).retain_configured(&text);
         assert_eq!(samples(&kept, TIME_TO_FIRST_TOKEN).len(), 0);
         assert!(kept.contains(&format!("# HELP {TIME_TO_FIRST_TOKEN} ")));
         assert!(kept.contains(&format!("# TYPE {TIME_TO_FIRST_TOKEN} histogram")));
@@ -251,9 +293,72 @@ mod tests {
     }
 
     #[test]
+    fn a_tenant_that_moved_tiers_shows_its_new_tiers_series_only() {
+        let recorder = prometheus_builder().unwrap().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            // Before the reload: `a` and `b` in gold, `c` in both; after it, `a` in silver.
+            for (tenant, tier) in [
+                ("a", "gold"),
+                ("a", "silver"),
+                ("b", "gold"),
+                ("c", "gold"),
+                ("c", "silver"),
+            ] {
+                metrics::counter!(REQUEST_SUCCESS, LABEL_TIER => tier, LABEL_TENANT => tenant)
+                    .increment(2);
+                // Labels in the other order, and one more label after them.
+                metrics::counter!(
+                    RATE_LIMITED,
+                    LABEL_TENANT => tenant,
+                    LABEL_TIER => tier,
+                    LABEL_LIMIT => "requests"
+                )
+                .increment(1);
+            }
+            metrics::histogram!(TIME_TO_FIRST_TOKEN, LABEL_TIER => "gold").record(0.03);
+        });
+        let text = handle.render();
+        let labels = ConfiguredLabels::new(
+            [
+                ("a", "silver"),
+                ("b", "gold"),
+                ("c", "gold"),
+                ("c", "silver"),
+            ],
+            ["gold", "silver"],
+        );
+        let kept = labels.retain_configured(&text);
+        for metric in [REQUEST_SUCCESS, RATE_LIMITED] {
+            let lines = samples(&kept, metric);
+            assert_eq!(lines.len(), 4, "{metric}: {lines:?}");
+            assert!(
+                !lines
+                    .iter()
+                    .any(|l| l.contains("tenant=\"a\"") && l.contains("tier=\"gold\"")),
+                "{lines:?}"
+            );
+            assert!(
+                lines
+                    .iter()
+                    .any(|l| l.contains("tenant=\"a\"") && l.contains("tier=\"silver\"")),
+                "{lines:?}"
+            );
+        }
+        // Gold is still a tier: its histogram, which carries no tenant, stays whole.
+        let gold_ttft = kept
+            .lines()
+            .filter(|l| l.starts_with(TIME_TO_FIRST_TOKEN) && l.contains("tier=\"gold\""))
+            .count();
+        assert_eq!(gold_ttft, 25, "{kept}");
+        // Only the two series of (a, gold) went.
+        assert_eq!(text.lines().count() - kept.lines().count(), 2);
+    }
+
+    #[test]
     fn an_exposition_of_configured_names_is_left_as_it_is() {
         let text = exposition(&["acme", "a\"b"], &["gold"]);
-        let labels = ConfiguredLabels::new(["acme", "a\"b"], ["gold"]);
+        let labels = ConfiguredLabels::new([("acme", "gold"), ("a\"b", "gold")], ["gold"]);
         assert_eq!(labels.retain_configured(&text), text);
     }
 
@@ -271,6 +376,17 @@ mod tests {
             assert_eq!(labels.retain_configured(line), line);
         }
         assert_eq!(labels.retain_configured("m{tenant=\"x\"} 1\n"), "");
+        // The pair is checked at the labels' end, however they end.
+        let labels = ConfiguredLabels::new([("x", "gold")], ["gold", "silver"]);
+        for (line, shown) in [
+            ("m{tenant=\"x\",tier=\"gold\"} 1\n", true),
+            ("m{tenant=\"x\",tier=\"silver\"} 1\n", false),
+            ("m{tier=\"silver\",tenant=\"x\",}  1\n", false),
+            ("m{tier=\"silver\"} 1\n", true),
+            ("m{tenant=\"x\"} 1\n", true),
+        ] {
+            assert_eq!(labels.retain_configured(line).is_empty(), !shown, "{line}");
+        }
         assert_eq!(labels.retain_configured("m{a=\"\\\"\",tier=\"x\"} 1\n"), "");
     }
 }

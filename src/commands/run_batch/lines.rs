@@ -2,7 +2,8 @@
 //! output line per input line, and the buffer that writes answers in input order.
 //!
 //! An input line is `{"custom_id": "...", "method": "POST", "url": "/v1/chat/completions",
-//! "body": {...}}` (OpenAI's `BatchRequestInput`); an output line is
+//! "body": {...}}` (OpenAI's `BatchRequestInput`; its `custom_id` a string of at most
+//! [`MAX_CUSTOM_ID_BYTES`]); an output line is
 //! `{"id": "batch_req_...", "custom_id": "...", "response": {"status_code": 200,
 //! "request_id": "...", "body": {...}}, "error": null}` (`BatchRequestOutput`). A line that is
 //! not a valid batch line gets `"response": null` and an `error` naming the line; a request
@@ -26,8 +27,18 @@ pub const MAX_LINES: usize = 50_000;
 /// to the server's own limit by the server (a 413, as `serve` answers).
 pub const ENVELOPE_BYTES: usize = 64 * 1024;
 
-/// The routes a batch line may name, as OpenAI's Batch API takes them.
-pub const URLS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
+/// The routes a batch line may name, as OpenAI's Batch API takes them (less its
+/// `/v1/moderations`, which Switchyard does not serve).
+pub const URLS: [&str; 4] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+];
+
+/// Longest `custom_id`, in bytes. OpenAI documents no bound; this one (the length OpenAI
+/// allows a metadata value) keeps the ids the duplicate check holds, one per line, small.
+pub const MAX_CUSTOM_ID_BYTES: usize = 512;
 
 /// Why a whole input file is refused before anything runs.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -89,17 +100,17 @@ pub fn split_lines(input: &[u8]) -> Result<Vec<InputLine<'_>>, FileError> {
     Ok(lines)
 }
 
-/// Refuses two lines with the same `custom_id`, naming both. Lines whose `custom_id` cannot be
-/// read are left to their own errors.
+/// Refuses two lines with the same `custom_id`, naming both: every line whose id
+/// [`parse_line`] would accept counts, read as it reads it (the last `custom_id` key of an
+/// object that repeats it). Lines whose `custom_id` it refuses (not JSON, not a string, too
+/// long) are left to their own errors.
 fn check_unique_ids(lines: &[InputLine<'_>]) -> Result<(), FileError> {
-    /// Only the id: the rest of the line is not parsed into memory here.
-    #[derive(Deserialize)]
-    struct IdOnly {
-        custom_id: String,
-    }
     let mut seen: HashMap<String, usize> = HashMap::with_capacity(lines.len());
     for line in lines {
-        let Ok(IdOnly { custom_id }) = serde_json::from_slice::<IdOnly>(line.bytes) else {
+        let Ok(IdOnly(id)) = serde_json::from_slice::<IdOnly>(line.bytes) else {
+            continue;
+        };
+        let Ok(custom_id) = custom_id(id) else {
             continue;
         };
         if let Some(&first) = seen.get(&custom_id) {
@@ -112,6 +123,75 @@ fn check_unique_ids(lines: &[InputLine<'_>]) -> Result<(), FileError> {
         seen.insert(custom_id, line.number);
     }
     Ok(())
+}
+
+/// A line's `custom_id` value, the rest of the line skipped unparsed (so the duplicate check
+/// holds no line in memory); `None` when the line is an object without one. Not an object:
+/// an error.
+struct IdOnly(Option<Value>);
+
+impl<'de> Deserialize<'de> for IdOnly {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = IdOnly;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<IdOnly, A::Error> {
+                let mut id = None;
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    if key == "custom_id" {
+                        // The last one wins, as in the line's `Value` (a JSON map).
+                        id = Some(map.next_value::<Value>()?);
+                    } else {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                    }
+                }
+                Ok(IdOnly(id))
+            }
+        }
+        deserializer.deserialize_map(Visit)
+    }
+}
+
+/// Why a line's `custom_id` is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum BadCustomId {
+    /// There is none.
+    Missing,
+    /// It is not a string: the JSON type it is.
+    NotAString(&'static str),
+    /// It is longer than [`MAX_CUSTOM_ID_BYTES`]: its length.
+    TooLong(usize),
+}
+
+/// The id a line's `custom_id` value (`None`: absent) stands for, as OpenAI's format has it:
+/// a string of at most [`MAX_CUSTOM_ID_BYTES`].
+fn custom_id(value: Option<Value>) -> Result<String, BadCustomId> {
+    match value {
+        Some(Value::String(id)) if id.len() > MAX_CUSTOM_ID_BYTES => {
+            Err(BadCustomId::TooLong(id.len()))
+        }
+        Some(Value::String(id)) => Ok(id),
+        Some(other) => Err(BadCustomId::NotAString(json_type(&other))),
+        None => Err(BadCustomId::Missing),
+    }
+}
+
+/// The JSON type of `value`, as an error names it.
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
 }
 
 /// A valid batch line: what to send where.
@@ -175,16 +255,26 @@ pub fn parse_line(line: InputLine<'_>, max_line_bytes: usize) -> Result<BatchReq
             "not a JSON object".to_owned(),
         ));
     };
-    let custom_id = match fields.remove("custom_id") {
-        Some(Value::String(id)) => id,
-        Some(_) => {
+    let custom_id = match custom_id(fields.remove("custom_id")) {
+        Ok(id) => id,
+        Err(BadCustomId::Missing) => return Err(missing(None, "custom_id")),
+        Err(BadCustomId::NotAString(kind)) => {
             return Err(error(
                 None,
                 "invalid_custom_id",
-                "custom_id must be a string".to_owned(),
+                format!("custom_id must be a string, not {kind}"),
             ))
         }
-        None => return Err(missing(None, "custom_id")),
+        Err(BadCustomId::TooLong(len)) => {
+            return Err(error(
+                None,
+                "invalid_custom_id",
+                format!(
+                    "custom_id is {len} bytes long, more than the {MAX_CUSTOM_ID_BYTES} \
+                     it may have"
+                ),
+            ))
+        }
     };
     let id = Some(custom_id.clone());
     match fields.get("method") {
@@ -250,10 +340,50 @@ fn short(value: &Value) -> String {
     }
 }
 
-/// Whether `body` asks for a stream (`"stream": true`): a batch answer is whole, so such a
-/// line is refused with a 400 (the API's error body, `param: "stream"`).
-pub fn wants_stream(body: &serde_json::Map<String, Value>) -> bool {
-    body.get("stream") == Some(&Value::Bool(true))
+/// A body field asking for an answer a batch line cannot give.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unbatchable {
+    /// `"stream": true`: a batch answer is whole.
+    Stream,
+    /// `"background": true` on `/v1/responses`: its answer would be a `queued` response whose
+    /// end no output line would hold.
+    Background,
+}
+
+impl Unbatchable {
+    /// The field, as the 400's `param` names it.
+    pub fn param(self) -> &'static str {
+        match self {
+            Self::Stream => "stream",
+            Self::Background => "background",
+        }
+    }
+
+    /// The 400's message.
+    pub fn message(self) -> &'static str {
+        match self {
+            Self::Stream => {
+                "a batch answer is whole: \"stream\": true is not supported in a batch file"
+            }
+            Self::Background => {
+                "a batch answer is the finished response: \"background\": true is not \
+                 supported in a batch file"
+            }
+        }
+    }
+}
+
+/// The field of `body` (sent to `url`) that asks for an answer a batch cannot give, if any:
+/// such a line is refused with a 400 (the API's error body, naming the field).
+pub fn unbatchable(url: &str, body: &serde_json::Map<String, Value>) -> Option<Unbatchable> {
+    let on = |field: &str| body.get(field) == Some(&Value::Bool(true));
+    if on("stream") {
+        Some(Unbatchable::Stream)
+    } else if url == "/v1/responses" && on("background") {
+        Some(Unbatchable::Background)
+    } else {
+        None
+    }
 }
 
 /// What became of one line: the output line's `response` or its `error`.
@@ -278,12 +408,13 @@ impl Outcome {
         matches!(self, Self::Response { status_code, .. } if (200..300).contains(status_code))
     }
 
-    /// The tokens the answer generated (`usage.completion_tokens`; 0 for embeddings and
-    /// failures).
+    /// The tokens the answer generated (`usage.completion_tokens`, a response's
+    /// `usage.output_tokens`; 0 for embeddings and failures).
     pub fn output_tokens(&self) -> u64 {
         match self {
             Self::Response { body, .. } if self.succeeded() => body
                 .pointer("/usage/completion_tokens")
+                .or_else(|| body.pointer("/usage/output_tokens"))
                 .and_then(Value::as_u64)
                 .unwrap_or(0),
             _ => 0,
@@ -388,10 +519,28 @@ mod tests {
             "missing_required_parameter",
             "custom_id is missing",
         );
+        for (id, kind) in [
+            ("5", "a number"),
+            ("null", "null"),
+            (r#"{"a":1}"#, "an object"),
+            (r#"["a"]"#, "an array"),
+            ("true", "a boolean"),
+        ] {
+            check_error(
+                &format!(
+                    r#"{{"custom_id":{id},"method":"POST","url":"/v1/completions","body":{{}}}}"#
+                ),
+                "invalid_custom_id",
+                &format!("custom_id must be a string, not {kind}"),
+            );
+        }
         check_error(
-            r#"{"custom_id":5,"method":"POST","url":"/v1/completions","body":{}}"#,
+            &format!(
+                r#"{{"custom_id":"{}","method":"POST","url":"/v1/completions","body":{{}}}}"#,
+                "x".repeat(MAX_CUSTOM_ID_BYTES + 1)
+            ),
             "invalid_custom_id",
-            "must be a string",
+            "custom_id is 513 bytes long, more than the 512",
         );
         check_error(
             r#"{"custom_id":"a","method":"GET","url":"/v1/completions","body":{}}"#,
@@ -404,9 +553,9 @@ mod tests {
             "method is missing",
         );
         check_error(
-            r#"{"custom_id":"a","method":"POST","url":"/v1/responses","body":{}}"#,
+            r#"{"custom_id":"a","method":"POST","url":"/v1/moderations","body":{}}"#,
             "invalid_url",
-            "/v1/responses",
+            "/v1/moderations",
         );
         check_error(
             r#"{"custom_id":"a","method":"POST","url":"http://evil/v1/completions","body":{}}"#,
@@ -443,6 +592,24 @@ mod tests {
         assert_eq!(out["custom_id"], "keep");
         assert_eq!(out["response"], Value::Null);
         assert_eq!(out["error"]["code"], "invalid_method");
+    }
+
+    #[test]
+    fn every_url_openai_batches_and_switchyard_serves_is_read() {
+        for url in URLS {
+            let text = format!(r#"{{"custom_id":"a","method":"POST","url":"{url}","body":{{}}}}"#);
+            assert_eq!(parse_line(line(&text), 4096).unwrap().url, url);
+        }
+        assert!(URLS.contains(&"/v1/responses"));
+    }
+
+    #[test]
+    fn a_custom_id_at_the_bound_is_read() {
+        let id = "é".repeat(MAX_CUSTOM_ID_BYTES / 2);
+        let text = format!(
+            r#"{{"custom_id":"{id}","method":"POST","url":"/v1/completions","body":{{}}}}"#
+        );
+        assert_eq!(parse_line(line(&text), 4096).unwrap().custom_id, id);
     }
 
     #[test]
@@ -490,6 +657,56 @@ mod tests {
         assert!(message.contains("lines 1 and 4"), "{message}");
     }
 
+    /// The duplicate `custom_id` that `input`'s lines hold, if any, as `(id, first, second)`.
+    fn duplicate(input: &str) -> Option<(String, usize, usize)> {
+        match split_lines(input.as_bytes()) {
+            Ok(_) => None,
+            Err(FileError::DuplicateCustomId {
+                custom_id,
+                first,
+                second,
+            }) => Some((custom_id, first, second)),
+            Err(e) => panic!("{input}: {e}"),
+        }
+    }
+
+    #[test]
+    fn the_duplicate_check_reads_the_id_as_a_line_does() {
+        // A number is no id (that line gets its own error): `1` and `"1"` are no duplicates.
+        assert_eq!(duplicate("{\"custom_id\":1}\n{\"custom_id\":\"1\"}"), None);
+        assert_eq!(
+            duplicate("{\"custom_id\":null}\n{\"custom_id\":null}"),
+            None
+        );
+        // A line refused for another field still holds its id.
+        assert_eq!(
+            duplicate("{\"custom_id\":\"a\",\"method\":\"GET\"}\n{\"custom_id\":\"a\",\"body\":3}"),
+            Some(("a".into(), 1, 2))
+        );
+        // A repeated key: the last one is the line's id, for the check as for the line.
+        let repeated = "{\"custom_id\":\"x\",\"custom_id\":\"b\"}\n{\"custom_id\":\"b\"}";
+        assert_eq!(duplicate(repeated), Some(("b".into(), 1, 2)));
+        let first = parse_line(
+            split_lines(b"{\"custom_id\":\"x\",\"custom_id\":\"b\"}").unwrap()[0],
+            4096,
+        )
+        .unwrap_err();
+        assert_eq!(first.custom_id.as_deref(), Some("b"));
+        // An escaped key is the same key.
+        assert_eq!(
+            duplicate("{\"custom\\u005fid\":\"a\"}\n{\"custom_id\":\"a\"}"),
+            Some(("a".into(), 1, 2))
+        );
+        // Ids too long are each refused on their line, not compared.
+        let long = "y".repeat(MAX_CUSTOM_ID_BYTES + 1);
+        assert_eq!(
+            duplicate(&format!(
+                "{{\"custom_id\":\"{long}\"}}\n{{\"custom_id\":\"{long}\"}}"
+            )),
+            None
+        );
+    }
+
     #[test]
     fn an_empty_file_and_one_with_too_many_lines_are_refused() {
         assert_eq!(split_lines(b""), Err(FileError::Empty));
@@ -504,12 +721,29 @@ mod tests {
     }
 
     #[test]
-    fn only_a_true_stream_is_a_stream() {
-        let body = |v: Value| v.as_object().cloned().unwrap();
-        assert!(wants_stream(&body(json!({"stream": true}))));
-        assert!(!wants_stream(&body(json!({"stream": false}))));
-        assert!(!wants_stream(&body(json!({"stream": "true"}))));
-        assert!(!wants_stream(&body(json!({}))));
+    fn a_true_stream_and_a_background_response_are_unbatchable() {
+        let check = |url: &str, v: Value| unbatchable(url, v.as_object().unwrap());
+        let chat = "/v1/chat/completions";
+        let responses = "/v1/responses";
+        assert_eq!(
+            check(chat, json!({"stream": true})),
+            Some(Unbatchable::Stream)
+        );
+        assert_eq!(
+            check(responses, json!({"stream": true})),
+            Some(Unbatchable::Stream)
+        );
+        assert_eq!(check(chat, json!({"stream": false})), None);
+        assert_eq!(check(chat, json!({"stream": "true"})), None);
+        assert_eq!(check(chat, json!({})), None);
+        assert_eq!(
+            check(responses, json!({"background": true})),
+            Some(Unbatchable::Background)
+        );
+        assert_eq!(check(responses, json!({"background": false})), None);
+        // Another route's `background` is the route's to judge (an unknown field).
+        assert_eq!(check(chat, json!({"background": true})), None);
+        assert_eq!(Unbatchable::Background.param(), "background");
     }
 
     #[test]
@@ -532,6 +766,12 @@ mod tests {
         };
         assert!(!refused.succeeded());
         assert_eq!(refused.output_tokens(), 0);
+        let response = Outcome::Response {
+            status_code: 200,
+            request_id: "resp_1".into(),
+            body: json!({"object": "response", "usage": {"input_tokens": 9, "output_tokens": 4}}),
+        };
+        assert_eq!(response.output_tokens(), 4);
     }
 
     #[test]

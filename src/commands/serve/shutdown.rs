@@ -13,9 +13,10 @@ use std::time::Duration;
 use actix_web::dev::ServerHandle;
 use switchyard_actors::actors::Engine as ActorEngine;
 use switchyard_api::ApiState;
-use tokio::signal::unix::{signal, Signal, SignalKind};
+use tokio::signal::unix::Signal;
 
 use super::reload::Reloader;
+use crate::commands::stop_signals::StopSignals;
 
 /// How long, past the drain's end, the requests failed then get to write their error.
 const DRAIN_GRACE: Duration = Duration::from_secs(5);
@@ -44,19 +45,17 @@ enum DrainEnd {
 }
 
 /// Handles signals until the server is stopped: SIGHUP spawns a reload, the first SIGTERM or
-/// SIGINT drains and stops the server.
-pub(super) async fn handle_signals(mut hangup: Signal, reloader: Arc<Reloader>, s: Shutdown) {
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::error!("cannot install signal handlers");
-        return;
-    };
+/// SIGINT drains and stops the server. `stops` are the listeners the model load watched, so a
+/// signal sent while the engine started is seen here.
+pub(super) async fn handle_signals(
+    mut hangup: Signal,
+    mut stops: StopSignals,
+    reloader: Arc<Reloader>,
+    s: Shutdown,
+) {
     loop {
         tokio::select! {
-            _ = term.recv() => break,
-            _ = int.recv() => break,
+            _ = stops.recv() => break,
             _ = hangup.recv() => reloader.spawn(),
         }
     }
@@ -68,7 +67,7 @@ pub(super) async fn handle_signals(mut hangup: Signal, reloader: Arc<Reloader>, 
     let end = tokio::select! {
         _ = s.state.wait_idle() => DrainEnd::Idle,
         _ = tokio::time::sleep(s.drain) => DrainEnd::Timeout,
-        _ = stop_signal(&mut term, &mut int) => DrainEnd::Signal,
+        _ = stops.recv() => DrainEnd::Signal,
     };
     let mut idle = end == DrainEnd::Idle;
     if !idle {
@@ -92,7 +91,7 @@ pub(super) async fn handle_signals(mut hangup: Signal, reloader: Arc<Reloader>, 
         s.engine.fail_in_flight(why);
         idle = tokio::select! {
             r = tokio::time::timeout(DRAIN_GRACE, s.state.wait_idle()) => r.is_ok(),
-            _ = stop_signal(&mut term, &mut int) => false,
+            _ = stops.recv() => false,
         };
         if !idle {
             tracing::warn!("closing the connections still open");
@@ -100,12 +99,4 @@ pub(super) async fn handle_signals(mut hangup: Signal, reloader: Arc<Reloader>, 
     }
     // Graceful once nothing is in flight: the last responses are still being written.
     s.handle.stop(idle).await;
-}
-
-/// The next SIGTERM or SIGINT.
-async fn stop_signal(term: &mut Signal, int: &mut Signal) {
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
 }

@@ -1,0 +1,150 @@
+//! SIGINT and SIGTERM, taken over by a command that loads a model (`serve`, `run-batch`) just
+//! before the load and watched until it ends.
+//!
+//! Until the handlers are installed a stop signal ends the process (the default action: no
+//! message, nothing to clean up). From [`StopSignals::install`] on the process no longer ends
+//! by itself, so every slow phase after it must watch the signals: the model load through
+//! [`StopSignals::interruptible`], which runs the load on a thread of its own and returns
+//! [`Interrupted`] at once when a signal comes (the load, holding no file the command writes,
+//! is abandoned and ends with the process), and the command's own loop through
+//! [`StopSignals::recv`]. One [`StopSignals`] is made per run and handed from the load to the
+//! loop, so a signal that arrives in between (while the engine starts) is kept for the loop
+//! rather than lost: tokio delivers a signal only to the listeners that exist when it arrives.
+
+use actix_web::rt::SystemRunner;
+use anyhow::Context;
+use tokio::signal::unix::{signal, Signal, SignalKind};
+
+/// The stop signals' listeners.
+pub(super) struct StopSignals {
+    /// SIGINT (Ctrl-C).
+    interrupt: Signal,
+    /// SIGTERM.
+    terminate: Signal,
+}
+
+/// A stop signal ended what was under way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Interrupted {
+    /// The signal's name (`SIGINT`, `SIGTERM`).
+    pub(super) signal: &'static str,
+}
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "interrupted ({})", self.signal)
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+impl StopSignals {
+    /// Installs the handlers on `system`'s runtime: from here on SIGINT and SIGTERM reach
+    /// these listeners instead of ending the process.
+    pub(super) fn install(system: &SystemRunner) -> anyhow::Result<Self> {
+        system.block_on(async {
+            Ok(Self {
+                interrupt: signal(SignalKind::interrupt())
+                    .context("cannot install the SIGINT handler")?,
+                terminate: signal(SignalKind::terminate())
+                    .context("cannot install the SIGTERM handler")?,
+            })
+        })
+    }
+
+    /// The next stop signal, once it comes (one sent before it is awaited, after
+    /// [`Self::install`], counts).
+    pub(super) async fn recv(&mut self) -> Interrupted {
+        tokio::select! {
+            _ = self.interrupt.recv() => Interrupted { signal: "SIGINT" },
+            _ = self.terminate.recv() => Interrupted { signal: "SIGTERM" },
+        }
+    }
+
+    /// Runs `work` (the model load) on a thread of its own named `name` and returns its
+    /// result, or [`Interrupted`] as soon as a stop signal comes. The abandoned work runs on
+    /// until the process ends, which the caller does next: it must hold nothing the caller
+    /// would have to clean up.
+    pub(super) fn interruptible<T, F>(
+        &mut self,
+        system: &SystemRunner,
+        name: &str,
+        work: F,
+    ) -> anyhow::Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> anyhow::Result<T> + Send + 'static,
+    {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || {
+                // The receiver is gone only when a signal ended the wait.
+                let _ = tx.send(work());
+            })
+            .with_context(|| format!("cannot start the {name} thread"))?;
+        system.block_on(async {
+            tokio::select! {
+                done = rx => done.map_err(|_| {
+                    anyhow::anyhow!("the {name} thread ended without a result (it panicked)")
+                })?,
+                stop = self.recv() => Err(stop.into()),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    /// Sends this process `flag`'s signal (`-INT`, `-TERM`) as an operator would.
+    fn kill(flag: &str) {
+        let status = std::process::Command::new("kill")
+            .arg(flag)
+            .arg(std::process::id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+    }
+
+    /// One test, so that no other test of this binary waits on these signals meanwhile.
+    #[test]
+    fn a_signal_during_the_work_ends_the_wait_and_a_later_one_is_kept_for_the_loop() {
+        let system = actix_web::rt::System::new();
+        let mut stops = StopSignals::install(&system).unwrap();
+        // Work that runs until it is let go: the signal surely comes while it runs.
+        let (release, held) = mpsc::channel::<()>();
+        let err = stops
+            .interruptible(&system, "test-load", move || {
+                kill("-INT");
+                let _ = held.recv();
+                Ok(())
+            })
+            .unwrap_err();
+        assert_eq!(
+            err.downcast_ref::<Interrupted>(),
+            Some(&Interrupted { signal: "SIGINT" })
+        );
+        drop(release);
+        // Work that ends first returns its result.
+        let value = stops.interruptible(&system, "test-load", || Ok(7)).unwrap();
+        assert_eq!(value, 7);
+        // A signal sent before the loop awaits it is not lost.
+        kill("-TERM");
+        let stop = system.block_on(stops.recv());
+        assert_eq!(stop, Interrupted { signal: "SIGTERM" });
+
+        // Work that fails, or panics, is an error, not an interruption.
+        let err = stops
+            .interruptible::<(), _>(&system, "test-load", || anyhow::bail!("no such model"))
+            .unwrap_err();
+        assert_eq!(err.to_string(), "no such model");
+        let err = stops
+            .interruptible::<(), _>(&system, "test-load", || panic!("a bug"))
+            .unwrap_err();
+        assert!(err.downcast_ref::<Interrupted>().is_none());
+        assert!(err.to_string().contains("panicked"), "{err}");
+    }
+}
