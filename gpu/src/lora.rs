@@ -1575,7 +1575,18 @@ mod tests {
             }
             let (check, load) = check_and_load(&d, &c, CONFIG, &bytes);
             if let Err(e) = &check {
-                proptest::prop_assert_eq!(load.as_ref().err(), Some(e), "check {:?}", check);
+                // Of tensors whose offsets an edit made equal, safetensors names whichever its
+                // hash map put first (its own tests say so): the name is not the reason.
+                let unnamed = |m: &str| match m.find("invalid offset for tensor `") {
+                    Some(at) => m[..at].to_string() + "invalid offset for tensor",
+                    None => m.to_string(),
+                };
+                proptest::prop_assert_eq!(
+                    load.as_ref().err().map(|m| unnamed(m)),
+                    Some(unnamed(e)),
+                    "check {:?}",
+                    check
+                );
             }
         }
     }
