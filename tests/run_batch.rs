@@ -65,6 +65,11 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
         .to_string(),
         String::new(),
         line("refused", "/v1/completions", refused_body()),
+        line(
+            "chained",
+            "/v1/responses",
+            json!({"input": "And then?", "previous_response_id": "resp_1"}),
+        ),
     ]
     .join("\n");
     let input_path = dir.join("requests.jsonl");
@@ -84,7 +89,7 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "run-batch failed:\n{stderr}");
     assert!(
-        stderr.contains("run-batch: 9 lines, 4 succeeded, 5 failed"),
+        stderr.contains("run-batch: 10 lines, 4 succeeded, 6 failed"),
         "{stderr}"
     );
     assert!(!dir.join("results.jsonl.partial").exists());
@@ -104,7 +109,8 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
             "responses",
             "unknown-url",
             "<null>",
-            "refused"
+            "refused",
+            "chained"
         ]
     );
     for l in &lines {
@@ -118,7 +124,7 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     }
     let status = |i: usize| lines[i]["response"]["status_code"].as_u64();
     assert_eq!(
-        (0..9).map(status).collect::<Vec<_>>(),
+        (0..10).map(status).collect::<Vec<_>>(),
         [
             Some(200),
             Some(200),
@@ -128,8 +134,18 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
             Some(200),
             None,
             None,
+            Some(400),
             Some(400)
         ]
+    );
+    // A batch without a journal stores nothing, and says so in the words of run-batch.
+    let chained = &lines[9]["response"]["body"]["error"];
+    assert_eq!(chained["param"], "previous_response_id", "{chained}");
+    assert!(
+        chained["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("only in the journal of server.responses.path")),
+        "{chained}"
     );
 
     // The chat answer: the server's for the same body, and the greedy reference's prefix.

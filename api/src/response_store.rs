@@ -47,6 +47,9 @@ pub use journal::{ensure_directory, JournalError};
 /// Most turns in one conversation chained by `previous_response_id`.
 pub const MAX_CHAIN_DEPTH: usize = 1024;
 
+/// [`StoreLimits::off_because`] where `server.responses.max_stored` turned storing off.
+pub const MAX_STORED_IS_ZERO: &str = "server.responses.max_stored is 0";
+
 /// The store's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreLimits {
@@ -56,6 +59,9 @@ pub struct StoreLimits {
     pub max_bytes: usize,
     /// Oldest response kept, from when it was stored; `None`: no age limit.
     pub max_age: Option<Duration>,
+    /// Why storing is off, when it is (not [`StoreLimits::enabled`]): what the API's refusals
+    /// of `background` and `previous_response_id` name, e.g. the setting that turned it off.
+    pub off_because: &'static str,
 }
 
 impl StoreLimits {
@@ -71,6 +77,7 @@ impl Default for StoreLimits {
             max_responses: 10_000,
             max_bytes: 256 << 20,
             max_age: Some(Duration::from_secs(24 * 3600)),
+            off_because: MAX_STORED_IS_ZERO,
         }
     }
 }
@@ -609,6 +616,7 @@ mod tests {
             max_responses,
             max_bytes,
             max_age: max_age.map(Duration::from_secs),
+            ..StoreLimits::default()
         })
     }
 

@@ -101,6 +101,9 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
         // Nothing a line stores could be read after the run: storing is off, and the
         // answers say `"store": false`.
         api_config.responses_store.max_responses = 0;
+        api_config.responses_store.off_because =
+            "run-batch stores responses only in the journal of server.responses.path, and \
+             the configuration names none";
     }
     let window = (2 * config.scheduler.max_num_seqs)
         .min(loaded.max_pending_requests())

@@ -668,6 +668,11 @@ pub(super) fn store_limits(config: &Config) -> StoreLimits {
         max_bytes: config.server.responses.max_stored_mb << 20,
         max_age: (config.server.responses.max_age_s > 0)
             .then(|| Duration::from_secs(config.server.responses.max_age_s)),
+        off_because: if config.server.responses.max_stored == 0 {
+            switchyard_api::response_store::MAX_STORED_IS_ZERO
+        } else {
+            "server.responses.max_stored_mb is 0"
+        },
     }
 }
 

@@ -91,8 +91,11 @@ pub(crate) async fn create_response(
     if echo.background && !storing {
         return Err(ApiError::invalid(
             "background",
-            "background = true cannot be used: storing responses is off on this server \
-             (server.responses.max_stored is 0), so a background response could not be read back",
+            format!(
+                "background = true cannot be used: storing responses is off on this server \
+                 ({}), so a background response could not be read back",
+                state.responses.limits().off_because
+            ),
         ));
     }
     // A stored foreground response would replace the `queued` one of a background response of
@@ -301,8 +304,11 @@ fn previous_turn(
     if !state.responses.limits().enabled() {
         return Err(ApiError::invalid(
             "previous_response_id",
-            "previous_response_id cannot be used: storing responses is off on this server \
-             (server.responses.max_stored is 0); send the conversation's items in input",
+            format!(
+                "previous_response_id cannot be used: storing responses is off on this server \
+                 ({}); send the conversation's items in input",
+                state.responses.limits().off_because
+            ),
         ));
     }
     let stored = state

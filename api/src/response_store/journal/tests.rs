@@ -57,6 +57,7 @@ fn limits(max_responses: usize, max_bytes: usize, max_age_s: Option<u64>) -> Sto
         max_responses,
         max_bytes,
         max_age: max_age_s.map(Duration::from_secs),
+        ..StoreLimits::default()
     }
 }
 
