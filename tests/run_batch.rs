@@ -6,6 +6,7 @@ mod common;
 
 use common::{fails, golden, model_path, switchyard, temp_dir, Server};
 use serde_json::{json, Value};
+use std::path::Path;
 
 /// The scheduler of both the server and the batch.
 const SCHEDULER: &str = "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n";
@@ -35,6 +36,26 @@ fn embeddings_body() -> Value {
 /// A body the API refuses (a negative `max_tokens`): its error must be the server's.
 fn refused_body() -> Value {
     json!({"prompt": "Hello", "max_tokens": -1})
+}
+
+/// Runs `switchyard run-batch` on `config` (with `--set` overrides `set`) from `input` to
+/// `output`, which must succeed; returns its stderr.
+fn run_batch(config: &Path, set: &[&str], input: &Path, output: &Path) -> String {
+    let mut cmd = switchyard();
+    cmd.arg("run-batch").arg("--config").arg(config);
+    for s in set {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd
+        .arg("-i")
+        .arg(input)
+        .arg("-o")
+        .arg(output)
+        .output()
+        .expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "run-batch failed:\n{stderr}");
+    stderr
 }
 
 /// The output's lines as JSON.
@@ -76,18 +97,12 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     std::fs::write(&input_path, input + "\n").unwrap();
     let output_path = dir.join("results.jsonl");
     // The server's own configuration file: run-batch opens no socket, so its port is no matter.
-    let out = switchyard()
-        .arg("run-batch")
-        .arg("--config")
-        .arg(server.dir.join("config.yaml"))
-        .arg("-i")
-        .arg(&input_path)
-        .arg("-o")
-        .arg(&output_path)
-        .output()
-        .expect("run switchyard");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "run-batch failed:\n{stderr}");
+    let stderr = run_batch(
+        &server.dir.join("config.yaml"),
+        &[],
+        &input_path,
+        &output_path,
+    );
     assert!(
         stderr.contains("run-batch: 10 lines, 4 succeeded, 6 failed"),
         "{stderr}"
@@ -278,20 +293,7 @@ fn a_batch_stores_its_responses_in_the_journal_a_later_server_reads() {
         let input_path = dir.join(format!("{name}.jsonl"));
         std::fs::write(&input_path, input.join("\n")).unwrap();
         let output_path = dir.join(format!("{name}-out.jsonl"));
-        let mut cmd = switchyard();
-        cmd.arg("run-batch").arg("--config").arg(&config);
-        for s in set {
-            cmd.args(["--set", s]);
-        }
-        let out = cmd
-            .arg("-i")
-            .arg(&input_path)
-            .arg("-o")
-            .arg(&output_path)
-            .output()
-            .expect("run switchyard");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "run-batch failed:\n{stderr}");
+        run_batch(&config, set, &input_path, &output_path);
         output_lines(&std::fs::read_to_string(&output_path).unwrap())
     };
 
