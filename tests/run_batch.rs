@@ -4,8 +4,9 @@
 
 mod common;
 
-use common::{fails, golden, switchyard, temp_dir, Server};
+use common::{fails, golden, model_path, switchyard, temp_dir, Server};
 use serde_json::{json, Value};
+use std::path::Path;
 
 /// The scheduler of both the server and the batch.
 const SCHEDULER: &str = "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n";
@@ -35,6 +36,26 @@ fn embeddings_body() -> Value {
 /// A body the API refuses (a negative `max_tokens`): its error must be the server's.
 fn refused_body() -> Value {
     json!({"prompt": "Hello", "max_tokens": -1})
+}
+
+/// Runs `switchyard run-batch` on `config` (with `--set` overrides `set`) from `input` to
+/// `output`, which must succeed; returns its stderr.
+fn run_batch(config: &Path, set: &[&str], input: &Path, output: &Path) -> String {
+    let mut cmd = switchyard();
+    cmd.arg("run-batch").arg("--config").arg(config);
+    for s in set {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd
+        .arg("-i")
+        .arg(input)
+        .arg("-o")
+        .arg(output)
+        .output()
+        .expect("run switchyard");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "run-batch failed:\n{stderr}");
+    stderr
 }
 
 /// The output's lines as JSON.
@@ -76,18 +97,12 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     std::fs::write(&input_path, input + "\n").unwrap();
     let output_path = dir.join("results.jsonl");
     // The server's own configuration file: run-batch opens no socket, so its port is no matter.
-    let out = switchyard()
-        .arg("run-batch")
-        .arg("--config")
-        .arg(server.dir.join("config.yaml"))
-        .arg("-i")
-        .arg(&input_path)
-        .arg("-o")
-        .arg(&output_path)
-        .output()
-        .expect("run switchyard");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "run-batch failed:\n{stderr}");
+    let stderr = run_batch(
+        &server.dir.join("config.yaml"),
+        &[],
+        &input_path,
+        &output_path,
+    );
     assert!(
         stderr.contains("run-batch: 10 lines, 4 succeeded, 6 failed"),
         "{stderr}"
@@ -218,7 +233,19 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     assert!(text(batch_response).is_string(), "{batch_response}");
     assert_eq!(text(batch_response), text(&served));
     assert_eq!(batch_response["status"], served["status"]);
-    assert_eq!(batch_response["usage"], served["usage"]);
+    // The same tokens, but for those the prefix cache held: the chat line's prompt is this
+    // one's, and the server answered it just before (its 32 cached tokens), where the batch
+    // ran both lines at once (0, or as many if the chat line's prefill came first).
+    let uncached = |r: &Value| {
+        let mut usage = r["usage"].clone();
+        let cached = usage["input_tokens_details"]
+            .as_object_mut()
+            .and_then(|d| d.remove("cached_tokens"))
+            .and_then(|c| c.as_u64());
+        assert!(cached <= usage["input_tokens"].as_u64(), "{r}");
+        usage
+    };
+    assert_eq!(uncached(batch_response), uncached(&served));
     assert_eq!(lines[5]["response"]["request_id"], batch_response["id"]);
     assert_eq!(batch_response["store"], false);
     assert_eq!(served["store"], true);
@@ -242,6 +269,75 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     assert_eq!(lines[8]["error"], Value::Null);
     // Blank line 9 is no request; the refused line is line 10 of the file.
     assert_eq!(lines[8]["custom_id"], "refused");
+}
+
+/// With `server.responses.path`, a batch's responses are stored in that journal and a server
+/// started on it afterwards reads them back (the open API's tenant both times); with the
+/// journal named but storing off (`max_stored: 0`), a refusal names that setting, not a
+/// missing journal.
+#[test]
+fn a_batch_stores_its_responses_in_the_journal_a_later_server_reads() {
+    let dir = temp_dir("run-batch", "journal");
+    let config = dir.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model:\n  path: {}\n  threads: 2\n{SCHEDULER}server:\n  host: 127.0.0.1\n  port: 0\n  \
+             drain_timeout_s: 20\n  responses:\n    path: {}\n",
+            model_path().display(),
+            dir.join("store").display()
+        ),
+    )
+    .unwrap();
+    let run = |input: &[String], name: &str, set: &[&str]| {
+        let input_path = dir.join(format!("{name}.jsonl"));
+        std::fs::write(&input_path, input.join("\n")).unwrap();
+        let output_path = dir.join(format!("{name}-out.jsonl"));
+        run_batch(&config, set, &input_path, &output_path);
+        output_lines(&std::fs::read_to_string(&output_path).unwrap())
+    };
+
+    // Storing off with the journal named: the refusal names the setting that turned it off.
+    let chained = line(
+        "chained",
+        "/v1/responses",
+        json!({"input": "And then?", "previous_response_id": "resp_1"}),
+    );
+    let off = run(
+        std::slice::from_ref(&chained),
+        "off",
+        &["server.responses.max_stored=0"],
+    );
+    let error = &off[0]["response"]["body"]["error"];
+    assert_eq!(error["param"], "previous_response_id", "{error}");
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("server.responses.max_stored is 0") && !message.contains("names none"),
+        "{error}"
+    );
+
+    // Storing on: the response is in the journal once run-batch has exited.
+    let lines = run(
+        &[line("stored", "/v1/responses", responses_body())],
+        "on",
+        &[],
+    );
+    let body = &lines[0]["response"]["body"];
+    assert_eq!(lines[0]["response"]["status_code"], 200, "{body}");
+    assert_eq!(body["store"], true, "{body}");
+    let id = body["id"].as_str().expect("a response id");
+    let child = common::serve(&config, &dir).spawn().expect("start serve");
+    let mut server = Server {
+        port: 0,
+        child,
+        dir: dir.keep(),
+    };
+    server.wait_ready();
+    let (code, read) = server.call_json("GET", &format!("/v1/responses/{id}"), None, &[]);
+    assert_eq!(code, 200, "{read}");
+    assert_eq!(read["id"], body["id"]);
+    assert_eq!(read["output"], body["output"]);
+    assert_eq!(read["usage"], body["usage"]);
 }
 
 #[test]

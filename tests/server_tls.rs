@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    model_path, read_response_from, serve, switchyard, wait_exit, Response, Server, TempDir,
+    logged_port, model_path, read_response_from, serve, switchyard, wait_exit, Response, Server,
+    TempDir,
 };
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
@@ -174,6 +175,31 @@ fn assert_serves_https(s: &Server) {
     assert_eq!(a.response.status, 200, "{}", a.response.body);
     let v: serde_json::Value = serde_json::from_str(&a.response.body).expect("json");
     assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+}
+
+/// The port a server on `port: 0` is waited on comes from its first whole `serving` line, of
+/// either scheme: never from a line the server is still writing (its port cut short would be
+/// another port, waited on until the deadline).
+#[test]
+fn the_logged_port_is_read_from_whole_serving_lines_only() {
+    let before = " INFO switchyard::commands::serve: loading model path=/m\n";
+    let serving = |scheme: &str, port: &str| {
+        format!(" INFO switchyard::commands::serve: serving url={scheme}://127.0.0.1:{port}")
+    };
+    assert_eq!(logged_port(before), None);
+    // Written up to the port's first digit, or to its last without the line's end.
+    for cut in ["4", "45123"] {
+        let log = format!("{before}{}", serving("http", cut));
+        assert_eq!(logged_port(&log), None, "{log:?}");
+    }
+    let log = format!("{before}{}\n", serving("http", "45123"));
+    assert_eq!(logged_port(&log), Some(45123));
+    let log = format!(
+        "{before}{}\n{}\n",
+        serving("https", "8443"),
+        serving("http", "1")
+    );
+    assert_eq!(logged_port(&log), Some(8443));
 }
 
 #[test]

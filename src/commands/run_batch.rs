@@ -97,9 +97,10 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
     api_config.rate_limits.clear();
     api_config.admin_key = None;
     api_config.cors = None;
-    if journal.is_none() {
+    if journal.is_none() && api_config.responses_store.enabled() {
         // Nothing a line stores could be read after the run: storing is off, and the
-        // answers say `"store": false`.
+        // answers say `"store": false`. (Where the configuration turned storing off itself,
+        // `max_stored` or `max_stored_mb` 0, its refusals name that setting.)
         api_config.responses_store.max_responses = 0;
         api_config.responses_store.off_because =
             "run-batch stores responses only in the journal of server.responses.path, and \

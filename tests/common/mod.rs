@@ -37,9 +37,12 @@ pub struct Server {
 }
 
 /// The port of the first `serving url=http://127.0.0.1:PORT` line of a `serve` log (plain
-/// text at INFO, as [`serve`] writes it), if it has one yet.
+/// text at INFO, as [`serve`] writes it), if it has one yet. Whole lines only: the server may
+/// be writing the line as the file is read, and a port cut short (`:4` of `:45123`) would read
+/// as another port, which the caller would then wait on until its deadline.
 pub fn logged_port(log: &str) -> Option<u16> {
-    log.lines().find_map(|line| {
+    let whole = &log[..log.rfind('\n').map_or(0, |end| end + 1)];
+    whole.lines().find_map(|line| {
         let url = line.split_once(" serving url=")?.1;
         let url = url.split_whitespace().next()?;
         url.rsplit_once(':')?.1.parse().ok()

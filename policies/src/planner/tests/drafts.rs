@@ -246,3 +246,65 @@ fn a_request_stopped_from_drafting_gets_no_more_drafts() {
     assert!(!s.stop_drafts(RequestId(1)), "an ended request");
     assert_eq!(s.stats().num_free_blocks, 64);
 }
+
+/// A step planned with drafts before `stop_drafts` (the engine stops a request's drafts as it
+/// applies the outputs of the step that fed them, a launched step's included) resolves as
+/// planned: its accepted drafts and the token after them are the request's outputs, its
+/// blocks as for any draft step; the plans after it feed the request no drafts.
+#[test]
+fn a_step_planned_with_drafts_before_stop_drafts_resolves_as_planned() {
+    for launched in [false, true] {
+        let c = SchedulerConfig {
+            speculative: drafts(2, 1, 2),
+            ..config(64, 4)
+        };
+        let mut s = sched(c, Box::new(Fcfs));
+        // Outputs are all 5, so after the first output every suffix matches.
+        s.add_request(req(1, 0, vec![5, 5, 5], 8)).unwrap();
+        step(&mut s, 0, 5);
+        let plan = s.schedule(Timestamp(1));
+        assert_eq!(plan.seqs[0].draft_tokens, vec![5, 5], "launched {launched}");
+        if launched {
+            s.launch(&plan);
+        }
+        assert!(s.stop_drafts(RequestId(1)));
+        // One draft accepted, the other rejected: the token sampled after the first is 6.
+        let out = [StepOutput {
+            id: RequestId(1),
+            token: 6,
+            accepted: 1,
+        }];
+        if launched {
+            s.resolve(&plan, &out, Timestamp(1));
+        } else {
+            s.apply_outputs(&plan, &out, Timestamp(1));
+        }
+        s.check_invariants().unwrap();
+        assert_eq!(
+            s.output_tokens(RequestId(1)),
+            Some(&[5, 5, 6][..]),
+            "launched {launched}"
+        );
+        let mut outputs = 3;
+        while s.has_unfinished() {
+            let plan = s.schedule(Timestamp(2));
+            for q in &plan.seqs {
+                assert!(q.draft_tokens.is_empty(), "launched {launched}: {q:?}");
+            }
+            let outs: Vec<StepOutput> = plan
+                .seqs
+                .iter()
+                .map(|q| StepOutput {
+                    id: q.id,
+                    token: 5,
+                    accepted: 0,
+                })
+                .collect();
+            s.apply_outputs(&plan, &outs, Timestamp(2));
+            s.check_invariants().unwrap();
+            outputs += 1;
+        }
+        assert_eq!(outputs, 8, "launched {launched}");
+        assert_eq!(s.stats().num_free_blocks, 64);
+    }
+}
