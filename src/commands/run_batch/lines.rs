@@ -102,8 +102,10 @@ pub fn split_lines(input: &[u8]) -> Result<Vec<InputLine<'_>>, FileError> {
 
 /// Refuses two lines with the same `custom_id`, naming both: every line whose id
 /// [`parse_line`] would accept counts, read as it reads it (the last `custom_id` key of an
-/// object that repeats it). Lines whose `custom_id` it refuses (not JSON, not a string, too
-/// long) are left to their own errors.
+/// object that repeats it). A line too long to run counts too: its id is read here, though
+/// its own error (`line_too_long`, from [`parse_line`], which reads no further) names none.
+/// Lines whose `custom_id` [`parse_line`] refuses (not JSON, not a string, too long) are left
+/// to their own errors.
 fn check_unique_ids(lines: &[InputLine<'_>]) -> Result<(), FileError> {
     let mut seen: HashMap<String, usize> = HashMap::with_capacity(lines.len());
     for line in lines {
