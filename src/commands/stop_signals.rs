@@ -78,6 +78,10 @@ impl StopSignals {
         let (tx, rx) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
             .name(name.to_owned())
+            // The stack the work had on the main thread (Linux's usual 8 MiB), not a spawned
+            // thread's 2 MiB: the load parses files (a chat template among them) that are
+            // hostile input, within recursion bounds set for a main thread's stack.
+            .stack_size(8 << 20)
             .spawn(move || {
                 // The receiver is gone only when a signal ended the wait.
                 let _ = tx.send(work());
