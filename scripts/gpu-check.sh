@@ -9,8 +9,8 @@
 # Then on the GPU host:
 #   BIN=dir-with-switchyard-and-cuda_backend MODEL=path/to/SmolLM2-135M-Instruct.Q4_1.gguf \
 #     OUT=results-dir scripts/gpu-check.sh
-# SECTIONS picks parts (default: all but ab): tests gemv ref dummy variants profile model serve specstruct
-# kvoffload kvbench kvcopy hf ab.
+# SECTIONS picks parts (default: all but kvbench, ab and signals): tests gemv ref dummy variants profile model serve specstruct
+# kvoffload kvbench kvcopy hf ab signals.
 #   tests     the cuda_backend test binary (GGUF-dependent tests skip without MODEL; TEST_FILTER:
 #             test-name filters; bounded by TEST_TIMEOUT, default 480 s here: the whole suite
 #             with the GGUF takes ~310 s on an H100, so leave room for nothing else in a call)
@@ -62,6 +62,11 @@
 #   kvcopy    the cuda_kv_copy benchmark (its binary in BIN): offloads and loads of 16 and 256
 #             blocks, in one run, in runs of 8 and scattered, Llama-3-8B and SmolLM2 shapes, by
 #             DMA, by the kernel and by the default mix (auto)
+#   signals   SIGINT and SIGTERM during the CUDA model load of `serve` and `run-batch`: the
+#             load's length on SIGNAL_MODEL (default: a random Llama-3-8B-shaped checkpoint of
+#             SIGNAL_LAYERS (8) layers written by gpu/reference/ref_logits.py), then a signal at
+#             each fraction of it in SIGNAL_AT: exit status, seconds from the signal to the
+#             exit, files left, panics or crashes in the log, processes left on the GPU
 #   ab        builds against each other, interleaved: AB_BINS="DIR DIR ..." (each a folder with a
 #             switchyard build, or DIR@VAR=VALUE,VAR=VALUE: that build with those environment
 #             variables, e.g. "b b@SWITCHYARD_CUDA_PDL=0"), AB_SPECS (name=arguments, commas for spaces; default Llama and
@@ -110,6 +115,21 @@ bench() { # name, then bench throughput arguments
   grep -h "CUDA step timing" "$OUT/$name.log" 2>/dev/null | sed 's/^/  /' | tee -a "$summary"
   [ $rc -ne 0 ] && tail -5 "$OUT/$name.log" | tee -a "$summary"
 }
+
+serve_up() { # name, config file, port, then extra serve arguments: starts `serve` (log
+  # $OUT/NAME.log, pid in $server_pid) and waits up to a minute for /health
+  local name=$1 config=$2 port=$3; shift 3
+  "$SY" serve --config "$config" "$@" >"$OUT/$name.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 1 120); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
+    sleep 0.5
+  done
+  note "serve ($name) did not come up"; tail -5 "$OUT/$name.log" | tee -a "$summary"
+  serve_down
+  return 1
+}
+serve_down() { kill "$server_pid" 2>/dev/null; wait "$server_pid" 2>/dev/null; }
 
 if has tests && [ -n "$TESTBIN" ]; then
   if [ -n "$MODEL" ] && [ "$(basename "$MODEL")" != SmolLM2-135M-Instruct.Q4_1.gguf ]; then
@@ -261,14 +281,7 @@ server: { host: 127.0.0.1, port: 18431 }
 cache: { gpu_memory_utilization: 0.5 }
 EOF
   sets=(); for kv in ${SERVE_SETS:-}; do sets+=(--set "$kv"); done
-  "$SY" serve --config "$OUT/serve.yaml" "${sets[@]}" >"$OUT/serve.log" 2>&1 &
-  spid=$!
-  ok=0
-  for _ in $(seq 1 120); do
-    if curl -sf http://127.0.0.1:18431/health >/dev/null 2>&1; then ok=1; break; fi
-    sleep 0.5
-  done
-  if [ $ok = 1 ]; then
+  if serve_up serve "$OUT/serve.yaml" 18431 "${sets[@]}"; then
     # The served model's id is the GGUF's file stem: ask for it rather than assume it.
     id=$(curl -s http://127.0.0.1:18431/v1/models | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
     curl -s http://127.0.0.1:18431/v1/completions -H 'content-type: application/json' \
@@ -374,10 +387,8 @@ PY
         $SERVE_EMBED_BENCH_ARGS --result-file "$OUT/serve-embed-bench.json" >"$OUT/serve-embed-bench.txt" 2>&1
       note "bench serve (embeddings) rc=$?: $(python3 -c "import json; d=json.load(open('$OUT/serve-embed-bench.json')); print({k: v for k, v in d.items() if isinstance(v, (int, float, str))})" 2>/dev/null | head -c 700)"
     fi
-  else
-    note "serve did not come up"; tail -5 "$OUT/serve.log" | tee -a "$summary"
+    serve_down
   fi
-  kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
 fi
 
 if has specstruct && [ -n "$MODEL" ] && [ -f "$MODEL" ]; then
@@ -387,20 +398,11 @@ server: { host: 127.0.0.1, port: 18433 }
 cache: { gpu_memory_utilization: 0.5 }
 speculative: { num_speculative_tokens: 4, max_running: 64 }
 EOF
-  "$SY" serve --config "$OUT/specstruct.yaml" >"$OUT/specstruct.log" 2>&1 &
-  spid=$!
-  ok=0
-  for _ in $(seq 1 120); do
-    if curl -sf http://127.0.0.1:18433/health >/dev/null 2>&1; then ok=1; break; fi
-    sleep 0.5
-  done
-  if [ $ok = 1 ]; then
+  if serve_up specstruct "$OUT/specstruct.yaml" 18433; then
     python3 scripts/spec-structured-check.py http://127.0.0.1:18433 >"$OUT/specstruct.txt" 2>&1
     note "structured output under speculative decoding rc=$?: $(tr '\n' ' ' <"$OUT/specstruct.txt" | head -c 900)"
-  else
-    note "serve (specstruct) did not come up"; tail -5 "$OUT/specstruct.log" | tee -a "$summary"
+    serve_down
   fi
-  kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
 fi
 
 if has kvoffload && [ -n "$MODEL" ] && [ -f "$MODEL" ]; then
@@ -411,17 +413,8 @@ server: { host: 127.0.0.1, port: 18432 }
 cache: { block_size: 16, num_blocks: $3, kv_offloading_size: $2 }
 $4
 YAML
-    "$SY" serve --config "$OUT/kv-$1.yaml" >"$OUT/kv-$1.log" 2>&1 &
-    kpid=$!
-    for _ in $(seq 1 120); do
-      curl -sf http://127.0.0.1:18432/health >/dev/null 2>&1 && return 0
-      sleep 0.5
-    done
-    note "kvoffload: serve $1 did not come up"; tail -5 "$OUT/kv-$1.log" | tee -a "$summary"
-    kill "$kpid" 2>/dev/null; wait "$kpid" 2>/dev/null
-    return 1
+    serve_up "kv-$1" "$OUT/kv-$1.yaml" 18432
   }
-  kv_stop() { kill "$kpid" 2>/dev/null; wait "$kpid" 2>/dev/null; }
   # Prompt A, three prompts that evict its blocks from a cache of KV_BLOCKS, A again. A tier
   # of 0.02 GiB (58 SmolLM2 blocks) holds every block they compute: stored ahead of eviction
   # once computed (the default), 36 blocks overflow 0.01 GiB's 29 and A's last ones leave it.
@@ -447,7 +440,7 @@ print(f"A again: cached_tokens {cached} (80 = every whole block but the last), s
       f"{first == again} ({first!r}); {'; '.join(m)}")
 PY
 )"
-      kv_stop
+      serve_down
     fi
   done
   # The Mooncake trace's prefix reuse through HTTP, with a host tier and without.
@@ -469,7 +462,7 @@ keys = ['completed', 'failed', 'duration', 'request_throughput', 'output_through
         'total_input_tokens', 'total_cached_prompt_tokens', 'cached_prompt_token_fraction',
         'trace_reusable_fraction']
 print({k: d.get(k) for k in keys})" 2>&1 | head -c 900); $(curl -s http://127.0.0.1:18432/metrics | grep -E '^switchyard:kv_offload|^switchyard:prefix_cache_(hits|queries)_total' | tr '\n' ' ')"
-        kv_stop
+        serve_down
       fi
     done
   else
@@ -549,6 +542,79 @@ if has ab; then
       done
     done
   done
+fi
+
+if has signals; then
+  # A checkpoint whose CUDA load lasts seconds, so signals land in its phases (device set-up,
+  # weights read and uploaded, kernels, graphs, the KV cache).
+  smodel=${SIGNAL_MODEL:-/tmp/switchyard-ref-llama3-8b-L${SIGNAL_LAYERS:-8}}
+  if [ -z "${SIGNAL_MODEL:-}" ] && [ ! -f "$smodel/config.json" ]; then
+    PYTHONUNBUFFERED=1 timeout "${REF_TIMEOUT:-400}" python3 gpu/reference/ref_logits.py \
+      --layers "${SIGNAL_LAYERS:-8}" --out-dir "$smodel" --reuse-weights --no-bf16-check \
+      >"$OUT/signals-model.log" 2>&1 || note "signals: ref_logits.py rc=$?"
+  fi
+  cat >"$OUT/signals.yaml" <<EOF2
+model: { path: $smodel, backend: ${SERVE_BACKEND:-cuda}, served_name: m }
+server: { host: 127.0.0.1, port: 18434 }
+cache: { gpu_memory_utilization: 0.5 }
+EOF2
+  echo '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}}' \
+    >"$OUT/signals-in.jsonl"
+  now() { date +%s.%N; }
+  # Commands started with `&` from a script inherit SIGINT ignored, which the commands keep
+  # (as a user's `cmd &` in a script would): start them with its default disposition.
+  dflt=(env --default-signal=INT)
+  "${dflt[@]}" true 2>/dev/null || { note "signals: env --default-signal unsupported; SIGINT rows may read as ignored"; dflt=(); }
+  # The load's length: serve until its `serving url=` line (the kernel cache warm after the
+  # first), then a whole run-batch of one line.
+  load_s=
+  for i in 1 2; do
+    "${dflt[@]}" "$SY" serve --config "$OUT/signals.yaml" >"$OUT/signals-load-$i.log" 2>&1 &
+    pid=$!; t0=$(now)
+    for _ in $(seq 1 1200); do
+      grep -q "serving url=" "$OUT/signals-load-$i.log" && break
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.05
+    done
+    load_s=$(python3 -c "print(f'{$(now) - $t0:.2f}')")
+    kill -INT "$pid"; wait "$pid"
+    note "signals: serve load $i ${load_s} s, then SIGINT when serving: rc=$? ($(tail -1 "$OUT/signals-load-$i.log" | cut -c1-160))"
+  done
+  t0=$(now)
+  "$SY" run-batch --config "$OUT/signals.yaml" -i "$OUT/signals-in.jsonl" -o "$OUT/signals-full.jsonl" \
+    >"$OUT/signals-full.log" 2>&1
+  note "signals: run-batch without a signal rc=$? in $(python3 -c "print(f'{$(now) - $t0:.2f}')") s, $(wc -l <"$OUT/signals-full.jsonl" 2>/dev/null || echo no) output line(s)"
+  # A signal at each fraction of the load: exit status, seconds from the signal to the exit,
+  # files left, and whether the log shows a panic or a crash.
+  for frac in ${SIGNAL_AT:-0.05 0.2 0.4 0.6 0.8 0.95}; do
+    for cmd in serve run-batch; do
+      for sig in INT TERM; do
+        name="signals-$cmd-$sig-$frac"
+        rm -f "$OUT/$name.jsonl" "$OUT/$name.jsonl.partial"
+        delay=$(python3 -c "print($frac * $load_s)")
+        if [ $cmd = serve ]; then
+          "${dflt[@]}" "$SY" serve --config "$OUT/signals.yaml" >"$OUT/$name.log" 2>&1 &
+        else
+          "${dflt[@]}" "$SY" run-batch --config "$OUT/signals.yaml" -i "$OUT/signals-in.jsonl" \
+            -o "$OUT/$name.jsonl" >"$OUT/$name.log" 2>&1 &
+        fi
+        pid=$!
+        sleep "$delay"
+        t0=$(now)
+        kill -s "$sig" "$pid"
+        (sleep 60; kill -KILL "$pid" 2>/dev/null) &
+        dog=$!
+        wait "$pid"; rc=$?
+        dt=$(python3 -c "print(f'{$(now) - $t0:.2f}')")
+        kill "$dog" 2>/dev/null; wait "$dog" 2>/dev/null
+        left=$(ls "$OUT/$name.jsonl" "$OUT/$name.jsonl.partial" 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')
+        bad=$(grep -c -i -E "panicked|segmentation|core dumped|double free|abort|CUDA_ERROR" "$OUT/$name.log")
+        note "$(printf 'signals: %-9s SIG%-4s at %4.2f of the load: rc=%-3s exit %5ss after, files left: %s, panics/crashes: %s; %s' \
+          "$cmd" "$sig" "$frac" "$rc" "$dt" "${left:-none}" "$bad" "$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-150)")"
+      done
+    done
+  done
+  note "signals: processes on the GPU after: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
 fi
 
 if has hf && [ -f gpu/reference/hf_bench.py ]; then
