@@ -23,7 +23,7 @@ pub enum Command {
     Serve(ServeArgs),
     /// Answer an OpenAI Batch input file offline (JSONL in, JSONL out), as `serve` would.
     #[command(
-        after_help = "Each input line is {\"custom_id\": \"...\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {...}}\n(urls: /v1/chat/completions, /v1/completions, /v1/embeddings); each output line, in input order, is\n{\"id\": \"batch_req_...\", \"custom_id\": \"...\", \"response\": {\"status_code\": 200, \"request_id\": \"...\", \"body\": {...}}, \"error\": null}.\n\nExamples:\n  switchyard run-batch --config config/examples/default.yaml -i requests.jsonl -o results.jsonl\n  cat requests.jsonl | switchyard run-batch -c prod.yaml -i - -o - --set scheduler.max_num_seqs=64"
+        after_help = "Each input line is {\"custom_id\": \"...\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {...}}\n(urls: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses); each output line, in input order, is\n{\"id\": \"batch_req_...\", \"custom_id\": \"...\", \"response\": {\"status_code\": 200, \"request_id\": \"...\", \"body\": {...}}, \"error\": null}.\n\nExamples:\n  switchyard run-batch --config config/examples/default.yaml -i requests.jsonl -o results.jsonl\n  cat requests.jsonl | switchyard run-batch -c prod.yaml -i - -o - --set scheduler.max_num_seqs=64"
     )]
     RunBatch(RunBatchArgs),
     /// Replay a request trace against scheduling policies with a virtual clock (no GPU, no model).

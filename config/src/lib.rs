@@ -1071,6 +1071,39 @@ mod tests {
         );
     }
 
+    /// A setting of one backend with the other named in `model.backend` is refused at its
+    /// field before the model loads, as the backend would refuse it after; `auto` is not.
+    #[test]
+    fn a_backend_only_setting_with_the_other_backend_named_is_refused() {
+        let yaml = |backend: &str, field: &str| format!("model:\n  backend: {backend}\n{field}\n");
+        assert_eq!(
+            error(&yaml("cuda", "  cpu_precision: int8"), &[]),
+            "t.yaml:3: model.cpu_precision: int8 applies to the CPU backend only \
+             (model.backend: cuda computes in bf16): leave it at auto"
+        );
+        assert_eq!(
+            error(&yaml("cpu", "  quantization: fp8"), &[]),
+            "t.yaml:3: model.quantization: fp8 runs on the CUDA backend only (model.backend: \
+             cpu runs a GGUF's own quantized types)"
+        );
+        assert_eq!(
+            error(&yaml("cpu", "cache:\n  kv_cache_dtype: fp8"), &[]),
+            "t.yaml:4: cache.kv_cache_dtype: fp8 runs on the CUDA backend only \
+             (model.backend: cpu keeps its cache in f16)"
+        );
+        // The backend's own settings, and `auto`, which picks one at start, pass.
+        Config::from_yaml_str(&yaml("cpu", "  cpu_precision: int8"), "t").unwrap();
+        Config::from_yaml_str(&yaml("auto", "  cpu_precision: precise"), "t").unwrap();
+        Config::from_yaml_str(&yaml("cuda", "  quantization: fp8"), "t").unwrap();
+        Config::from_yaml_str(&yaml("auto", "cache:\n  kv_cache_dtype: fp8"), "t").unwrap();
+        // Set by an override, the override is named.
+        let e = error(&yaml("cuda", ""), &["model.cpu_precision=mixed".into()]);
+        assert!(
+            e.contains("--set model.cpu_precision=mixed") && e.contains("mixed applies"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn redacted_configs_hold_no_keys() {
         let c = Config::from_yaml_str(

@@ -1199,6 +1199,34 @@ pub fn check_adapter_name(name: &str) -> Result<(), String> {
 pub const MAX_TIERS: usize = 32;
 
 impl Config {
+    /// Refuses the settings of one backend given with the other named in `model.backend`,
+    /// as the backend refuses them once the model has loaded: `cpu_precision` on `cuda`,
+    /// `quantization: fp8` and `kv_cache_dtype: fp8` on `cpu`. `auto` is checked once it
+    /// picks (a GPU ignores `cpu_precision` with a warning).
+    fn check_backend_only_fields(&self) -> Result<(), (String, String)> {
+        let refuse = |field: &str, why: &str| Err((field.to_string(), why.to_string()));
+        match self.model.backend {
+            BackendKind::Cuda if self.model.cpu_precision != CpuPrecision::Auto => refuse(
+                "model.cpu_precision",
+                &format!(
+                    "{} applies to the CPU backend only (model.backend: cuda computes in \
+                     bf16): leave it at auto",
+                    format!("{:?}", self.model.cpu_precision).to_lowercase()
+                ),
+            ),
+            BackendKind::Cpu if self.model.quantization == Quantization::Fp8 => refuse(
+                "model.quantization",
+                "fp8 runs on the CUDA backend only (model.backend: cpu runs a GGUF's own \
+                 quantized types)",
+            ),
+            BackendKind::Cpu if self.cache.kv_cache_dtype == KvCacheDtype::Fp8 => refuse(
+                "cache.kv_cache_dtype",
+                "fp8 runs on the CUDA backend only (model.backend: cpu keeps its cache in f16)",
+            ),
+            _ => Ok(()),
+        }
+    }
+
     /// Checks rules that span fields; returns the dotted field path and a message.
     pub fn validate(&self) -> Result<(), (String, String)> {
         if let Some(spec) = &self.speculative {
@@ -1370,6 +1398,7 @@ impl Config {
                 ),
             ));
         }
+        self.check_backend_only_fields()?;
         if !self.lora.adapters.is_empty() && !self.lora.enabled {
             return Err((
                 "lora.adapters".into(),
