@@ -66,7 +66,8 @@
 #             load's length on SIGNAL_MODEL (default: a random Llama-3-8B-shaped checkpoint of
 #             SIGNAL_LAYERS (8) layers written by gpu/reference/ref_logits.py), then a signal at
 #             each fraction of it in SIGNAL_AT: exit status, seconds from the signal to the
-#             exit, files left, panics or crashes in the log, processes left on the GPU
+#             exit, files left, panics or crashes in the log, processes left on the GPU; and
+#             SIGNAL_RUNS (5) whole run-batch runs without a signal (each must exit 0)
 #   ab        builds against each other, interleaved: AB_BINS="DIR DIR ..." (each a folder with a
 #             switchyard build, or DIR@VAR=VALUE,VAR=VALUE: that build with those environment
 #             variables, e.g. "b b@SWITCHYARD_CUDA_PDL=0"), AB_SPECS (name=arguments, commas for spaces; default Llama and
@@ -580,10 +581,13 @@ EOF2
     kill -INT "$pid"; wait "$pid"
     note "signals: serve load $i ${load_s} s, then SIGINT when serving: rc=$? ($(tail -1 "$OUT/signals-load-$i.log" | cut -c1-160))"
   done
-  t0=$(now)
-  "$SY" run-batch --config "$OUT/signals.yaml" -i "$OUT/signals-in.jsonl" -o "$OUT/signals-full.jsonl" \
-    >"$OUT/signals-full.log" 2>&1
-  note "signals: run-batch without a signal rc=$? in $(python3 -c "print(f'{$(now) - $t0:.2f}')") s, $(wc -l <"$OUT/signals-full.jsonl" 2>/dev/null || echo no) output line(s)"
+  # Whole runs without a signal (SIGNAL_RUNS of them): each must exit 0 with its line written.
+  for i in $(seq 1 "${SIGNAL_RUNS:-5}"); do
+    t0=$(now)
+    "$SY" run-batch --config "$OUT/signals.yaml" -i "$OUT/signals-in.jsonl" -o "$OUT/signals-full-$i.jsonl" \
+      >"$OUT/signals-full-$i.log" 2>&1
+    note "signals: run-batch $i without a signal rc=$? in $(python3 -c "print(f'{$(now) - $t0:.2f}')") s, $(wc -l <"$OUT/signals-full-$i.jsonl" 2>/dev/null || echo no) output line(s)"
+  done
   # A signal at each fraction of the load: exit status, seconds from the signal to the exit,
   # files left, and whether the log shows a panic or a crash.
   for frac in ${SIGNAL_AT:-0.05 0.2 0.4 0.6 0.8 0.95}; do

@@ -23,7 +23,7 @@ use super::detokenizer::{
     DetokenizerActor, EndedEarly, FailAll, KeptSpecial, PendingPrompt, Register, SetScheduler,
     TextOptions,
 };
-use super::executor::ExecutorActor;
+use super::executor::{BackendReleased, ExecutorActor};
 use super::lora::{
     AdapterInfo, Charge, LoraError, LoraHandle, LoraManager, LoraManagerConfig,
     Register as RegisterAdapter, Replace as ReplaceAdapter, Resolved as ResolvedAdapter, SetPinned,
@@ -372,6 +372,8 @@ pub struct Engine {
     salts: std::collections::hash_map::RandomState,
     /// False once the executor retired its backend (a panic it does not recover from).
     backend_alive: Arc<AtomicBool>,
+    /// Set once the executor's thread dropped the backend ([`Engine::backend_released`]).
+    backend_released: BackendReleased,
     /// Set by [`Engine::fail_in_flight`]: no request is admitted any more.
     closed: Arc<AtomicBool>,
     /// The tokenizer, for the text of beam search answers (made once the search ends).
@@ -420,9 +422,12 @@ impl Engine {
         let slot = parking_slot(backend);
         let backend_alive = Arc::new(AtomicBool::new(true));
         let alive = backend_alive.clone();
+        let backend_released = BackendReleased::default();
+        let released = backend_released.clone();
         let executor = SyncArbiter::start(1, move || {
             ExecutorActor::new(slot.lock().unwrap_or_else(|p| p.into_inner()).take())
                 .reporting_to(alive.clone())
+                .releasing(released.clone())
         });
         let vocab = tokenizer.vocab_size().max(config.vocab_size);
         let tok = tokenizer.clone();
@@ -501,6 +506,7 @@ impl Engine {
             vocab,
             salts: std::collections::hash_map::RandomState::new(),
             backend_alive,
+            backend_released,
             closed: Arc::new(AtomicBool::new(false)),
             tokenizer: tokenizer_for_text,
         })
@@ -545,6 +551,13 @@ impl Engine {
     /// it does not recover from (every step then fails; the process should be restarted).
     pub fn is_alive(&self) -> bool {
         self.backend_alive.load(Ordering::Acquire)
+    }
+
+    /// Set once the executor's thread has dropped the backend, which it does once the
+    /// engine's actors are gone (the actix system that runs them dropped). A command that
+    /// started the engine waits for it before the process ends (see [`BackendReleased`]).
+    pub fn backend_released(&self) -> BackendReleased {
+        self.backend_released.clone()
     }
 
     /// The context window in tokens.

@@ -2,6 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::{Actor, Handler, Message, SyncContext};
 use switchyard_gpu::backend::{Backend, Batch, SeqOutput};
@@ -79,6 +80,58 @@ pub struct DiscardSteps;
 #[rtype(result = "()")]
 pub struct ReleaseSequences(pub Vec<u64>);
 
+/// Set once the executor has dropped its backend (the weights, the KV cache and, on CUDA, the
+/// streams and the context): from then on the process may end. The executor's thread drops it
+/// when the engine's actors are gone (their actix system dropped), on its own time, so a
+/// command waits for this before it returns: a CUDA backend still alive on that thread while
+/// the process's exit handlers tear the CUDA libraries down ended `run-batch` on an H100 with
+/// a SIGSEGV after its last line was written.
+#[derive(Clone, Default)]
+pub struct BackendReleased(Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>);
+
+impl BackendReleased {
+    /// Waits until the backend is dropped, at most `timeout`; whether it was.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        let (released, dropped) = &*self.0;
+        let mut released = released.lock();
+        if !*released {
+            // A spurious wake-up ends the wait early; the flag, not the wake-up, answers.
+            let _ = dropped.wait_while_for(&mut released, |r| !*r, timeout);
+        }
+        *released
+    }
+
+    /// Whether the backend is dropped.
+    pub fn is_released(&self) -> bool {
+        *self.0 .0.lock()
+    }
+
+    fn notify(&self) {
+        let (released, dropped) = &*self.0;
+        *released.lock() = true;
+        dropped.notify_all();
+    }
+}
+
+impl std::fmt::Debug for BackendReleased {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("BackendReleased")
+            .field(&self.is_released())
+            .finish()
+    }
+}
+
+/// Notifies its [`BackendReleased`] when dropped, unwinding included.
+struct NotifyOnDrop(Option<BackendReleased>);
+
+impl Drop for NotifyOnDrop {
+    fn drop(&mut self) {
+        if let Some(r) = &self.0 {
+            r.notify();
+        }
+    }
+}
+
 /// Holds the backend; lives on its own OS thread.
 pub struct ExecutorActor {
     /// The backend; `None` once retired after a panic it does not recover from
@@ -88,6 +141,15 @@ pub struct ExecutorActor {
     submitted: usize,
     /// Set false when the backend is retired (the engine's liveness).
     alive: Option<Arc<AtomicBool>>,
+    /// Set once the backend is dropped (with the actor).
+    released: Option<BackendReleased>,
+}
+
+impl Drop for ExecutorActor {
+    fn drop(&mut self) {
+        let _notify = NotifyOnDrop(self.released.take());
+        drop(self.backend.take());
+    }
 }
 
 impl ExecutorActor {
@@ -97,7 +159,14 @@ impl ExecutorActor {
             backend,
             submitted: 0,
             alive: None,
+            released: None,
         }
+    }
+
+    /// Sets `released` once the backend is dropped, with the actor.
+    pub fn releasing(mut self, released: BackendReleased) -> Self {
+        self.released = Some(released);
+        self
     }
 
     /// Clears `alive` if the backend is ever retired.
@@ -322,6 +391,125 @@ mod tests {
                 cached_prompt: None,
             }],
         }
+    }
+
+    /// A backend that sets `dropped` when dropped, after `delay` (a CUDA backend's drop
+    /// frees memory and destroys streams and the context: not instant).
+    struct SlowDrop {
+        inner: PanicsOnce,
+        delay: std::time::Duration,
+        dropped: Arc<AtomicBool>,
+    }
+
+    impl Drop for SlowDrop {
+        fn drop(&mut self) {
+            std::thread::sleep(self.delay);
+            self.dropped.store(true, Ordering::SeqCst);
+        }
+    }
+
+    impl Backend for SlowDrop {
+        fn name(&self) -> &str {
+            "slow-drop"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            self.inner.num_kv_blocks()
+        }
+        fn block_size(&self) -> usize {
+            self.inner.block_size()
+        }
+        fn max_batch_tokens(&self) -> usize {
+            self.inner.max_batch_tokens()
+        }
+        fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            self.inner.execute(batch)
+        }
+        fn release(&mut self, _: u64) {}
+    }
+
+    /// The executor's thread drops the backend once the actix system that holds its address
+    /// is gone, on its own time: `BackendReleased` is set only after the backend's drop
+    /// ended, and waiting on it is what lets a command outlive that drop.
+    #[test]
+    fn backend_released_is_set_after_the_backend_is_dropped() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let released = BackendReleased::default();
+        let system = actix::System::new();
+        let backend_dropped = dropped.clone();
+        let notice = released.clone();
+        system.block_on(async move {
+            let executor = SyncArbiter::start(1, move || {
+                ExecutorActor::new(Some(Box::new(SlowDrop {
+                    inner: PanicsOnce {
+                        panicked: true,
+                        recovers: true,
+                    },
+                    delay: std::time::Duration::from_millis(300),
+                    dropped: backend_dropped.clone(),
+                })))
+                .releasing(notice.clone())
+            });
+            let r = executor
+                .send(Execute {
+                    batch: batch(),
+                    release: Vec::new(),
+                    kv_copies: Vec::new(),
+                })
+                .await
+                .expect("the executor answers");
+            assert!(r.is_ok(), "the step runs");
+        });
+        assert!(
+            !released.is_released(),
+            "the system still runs the executor"
+        );
+        drop(system);
+        // The drop takes 300 ms on the executor's thread: not over yet when the system goes.
+        assert!(released.wait(std::time::Duration::from_secs(60)));
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "released only after the drop ended"
+        );
+        assert!(released.wait(std::time::Duration::ZERO), "and it stays set");
+    }
+
+    /// A backend that panics in its drop still sets `BackendReleased` (the process may end:
+    /// nothing is left to wait for).
+    #[test]
+    fn backend_released_is_set_when_the_drop_panics() {
+        struct PanicsInDrop(PanicsOnce);
+        impl Drop for PanicsInDrop {
+            fn drop(&mut self) {
+                panic!("the backend's drop failed");
+            }
+        }
+        impl Backend for PanicsInDrop {
+            fn name(&self) -> &str {
+                "panics-in-drop"
+            }
+            fn num_kv_blocks(&self) -> usize {
+                8
+            }
+            fn block_size(&self) -> usize {
+                4
+            }
+            fn max_batch_tokens(&self) -> usize {
+                64
+            }
+            fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+                self.0.execute(batch)
+            }
+            fn release(&mut self, _: u64) {}
+        }
+        let released = BackendReleased::default();
+        let actor = ExecutorActor::new(Some(Box::new(PanicsInDrop(PanicsOnce {
+            panicked: true,
+            recovers: true,
+        }))))
+        .releasing(released.clone());
+        let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(actor)));
+        assert!(dropped.is_err(), "the drop's panic comes through");
+        assert!(released.is_released());
     }
 
     /// A step's KV copies run before its batch, and a failed copy fails the step (the batch

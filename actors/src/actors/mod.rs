@@ -29,5 +29,6 @@ pub use engine::{
     BeamOptions, ChoiceDelta, Engine, EngineConfig, EngineOutput, OutputSink, PromptSource,
     RequestOptions, SubmitError, SubmitErrorKind, TokenLogprobs,
 };
+pub use executor::BackendReleased;
 pub use lora::{AdapterInfo, AdapterUser, LoraError, LoraManagerConfig};
 pub use lora_dirs::{FOUND_TTL, MAX_DIR_ENTRIES};
