@@ -91,6 +91,13 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
             "/v1/responses",
             json!({"input": "And then?", "previous_response_id": "resp_1"}),
         ),
+        // Longer than a line may be (64 KiB of body, set below, + 64 KiB): refused unread,
+        // so its error names no custom_id, and its id is no duplicate of the first line's.
+        line(
+            "chat",
+            "/v1/completions",
+            json!({"prompt": "x".repeat(140_000)}),
+        ),
     ]
     .join("\n");
     let input_path = dir.join("requests.jsonl");
@@ -99,12 +106,12 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     // The server's own configuration file: run-batch opens no socket, so its port is no matter.
     let stderr = run_batch(
         &server.dir.join("config.yaml"),
-        &[],
+        &["server.max_body_bytes=65536"],
         &input_path,
         &output_path,
     );
     assert!(
-        stderr.contains("run-batch: 10 lines, 4 succeeded, 6 failed"),
+        stderr.contains("run-batch: 11 lines, 4 succeeded, 7 failed"),
         "{stderr}"
     );
     assert!(!dir.join("results.jsonl.partial").exists());
@@ -125,7 +132,8 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
             "unknown-url",
             "<null>",
             "refused",
-            "chained"
+            "chained",
+            "<null>"
         ]
     );
     for l in &lines {
@@ -139,7 +147,7 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     }
     let status = |i: usize| lines[i]["response"]["status_code"].as_u64();
     assert_eq!(
-        (0..10).map(status).collect::<Vec<_>>(),
+        (0..11).map(status).collect::<Vec<_>>(),
         [
             Some(200),
             Some(200),
@@ -150,9 +158,11 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
             None,
             None,
             Some(400),
-            Some(400)
+            Some(400),
+            None
         ]
     );
+    assert_eq!(lines[10]["error"]["code"], "line_too_long", "{}", lines[10]);
     // A batch without a journal stores nothing, and says so in the words of run-batch.
     let chained = &lines[9]["response"]["body"]["error"];
     assert_eq!(chained["param"], "previous_response_id", "{chained}");
@@ -351,13 +361,13 @@ fn a_file_with_a_duplicate_custom_id_is_refused_before_anything_runs() {
     ]
     .join("\n");
     std::fs::write(&input_path, input).unwrap();
-    // No model is read: the configuration is not even opened.
+    // Refused once the configuration (which bounds a line) is read, before the model loads.
     let output_path = dir.join("out.jsonl");
     let err = fails(
         switchyard()
             .arg("run-batch")
             .arg("--config")
-            .arg(dir.join("missing.yaml"))
+            .arg(batch_config(&dir))
             .arg("-i")
             .arg(&input_path)
             .arg("-o")
@@ -383,4 +393,18 @@ fn a_url_as_input_is_refused() {
             .arg(dir.join("out.jsonl")),
     );
     assert!(err.contains("fetches nothing from the network"), "{err}");
+}
+
+/// A configuration for run-batch alone (its port is never bound), written in `dir`.
+fn batch_config(dir: &Path) -> std::path::PathBuf {
+    let config = dir.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model:\n  path: {}\n  threads: 2\n{SCHEDULER}",
+            model_path().display()
+        ),
+    )
+    .unwrap();
+    config
 }

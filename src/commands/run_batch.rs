@@ -56,11 +56,17 @@ use crate::cli::RunBatchArgs;
 
 pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
     let output = Output::new(&args.output)?;
-    // Everything about the files is checked before the configuration and the model.
+    // The files are checked before the configuration, and the model, is read; but for the
+    // duplicate `custom_id` check, which needs the bound on a line the configuration sets.
     let input = read_input(&args.input)?;
     let requests = lines::split_lines(&input).with_context(|| args.input.clone())?;
     let super::config::Checked { config, .. } =
         super::config::load_checked(&args.config, &args.overrides)?;
+    let max_line_bytes = config
+        .server
+        .max_body_bytes
+        .saturating_add(lines::ENVELOPE_BYTES);
+    lines::check_unique_ids(&requests, max_line_bytes).with_context(|| args.input.clone())?;
     super::init_logging(
         &config.logging.level,
         config.logging.format == switchyard_config::LogFormat::Json,
@@ -111,7 +117,7 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
         .max(1);
     let limits = Limits {
         window,
-        max_line_bytes: config.server.max_body_bytes + lines::ENVELOPE_BYTES,
+        max_line_bytes,
     };
     system.block_on(async move {
         let RunningEngine { adapter, .. } =
