@@ -4,9 +4,14 @@
 
 mod common;
 
-use common::{fails, golden, model_path, switchyard, temp_dir, Server};
+use common::{
+    fails, golden, model_path, send_signal, signal_listed, switchyard, temp_dir, wait_exit, Server,
+};
 use serde_json::{json, Value};
+use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
+use std::process::{Child, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 /// The scheduler of both the server and the batch.
 const SCHEDULER: &str = "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n";
@@ -407,4 +412,128 @@ fn batch_config(dir: &Path) -> std::path::PathBuf {
     )
     .unwrap();
     config
+}
+
+/// A batch that is still running when a test stops it: a line answered at once (one token),
+/// then two that each generate 2,000 tokens whatever the model writes (`ignore_eos`), which
+/// the CPU takes far longer to do than a test takes to send a signal.
+struct EndlessBatch {
+    child: Child,
+    output: std::path::PathBuf,
+    partial: std::path::PathBuf,
+    stderr: std::path::PathBuf,
+}
+
+impl EndlessBatch {
+    /// Starts it in `dir` and returns once the first line is written: the signal handlers
+    /// are installed by then, and the long lines are running.
+    fn start(dir: &Path) -> Self {
+        let long = json!({"prompt": "Count to ten thousand:", "max_tokens": 2000,
+                          "ignore_eos": true, "temperature": 0});
+        let input = [
+            line(
+                "quick",
+                "/v1/completions",
+                json!({"prompt": "Hi", "max_tokens": 1}),
+            ),
+            line("long-1", "/v1/completions", long.clone()),
+            line("long-2", "/v1/completions", long),
+        ]
+        .join("\n");
+        let input_path = dir.join("requests.jsonl");
+        std::fs::write(&input_path, input).unwrap();
+        let output = dir.join("out.jsonl");
+        let partial = dir.join("out.jsonl.partial");
+        let stderr = dir.join("stderr.txt");
+        let mut cmd = switchyard();
+        cmd.arg("run-batch")
+            .arg("--config")
+            .arg(batch_config(dir))
+            .arg("-i")
+            .arg(&input_path)
+            .arg("-o")
+            .arg(&output)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        let mut batch = Self {
+            child: cmd.spawn().expect("start run-batch"),
+            output,
+            partial,
+            stderr,
+        };
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while !std::fs::read_to_string(&batch.partial).is_ok_and(|t| t.ends_with('\n')) {
+            if let Some(status) = batch.child.try_wait().unwrap() {
+                panic!("run-batch ended early ({status}):\n{}", batch.stderr());
+            }
+            if Instant::now() > deadline {
+                let _ = batch.child.kill();
+                panic!("no line was written:\n{}", batch.stderr());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        batch
+    }
+
+    /// Sends it `signal`.
+    fn signal(&self, signal: libc::c_int) {
+        send_signal(self.child.id(), signal);
+    }
+
+    /// Whether its `/proc` status lists `signal` under `field` (`SigIgn`, `SigCgt`).
+    fn lists(&self, field: &str, signal: libc::c_int) -> bool {
+        signal_listed(self.child.id(), field, signal)
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Waits for its end; returns its status and stderr.
+    fn wait(&mut self) -> (ExitStatus, String) {
+        let status = wait_exit(&mut self.child, Duration::from_secs(60), "run-batch");
+        (status, self.stderr())
+    }
+}
+
+/// The status a shell reports for `status`: the exit code, or 128 + the signal that ended it.
+fn shell_status(status: ExitStatus) -> i32 {
+    status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap()
+}
+
+/// Ctrl-C or SIGTERM mid-run: the lines done are kept in `OUTPUT.partial`, the summary says
+/// how many, and the process ends by the signal (the shell's 130 or 143), the batch not done.
+#[test]
+fn an_interrupted_batch_keeps_its_lines_done_and_ends_by_the_signal() {
+    for (signal, name, shell) in [
+        (libc::SIGINT, "SIGINT", 130),
+        (libc::SIGTERM, "SIGTERM", 143),
+    ] {
+        let dir = temp_dir("run-batch", &format!("interrupted-{name}"));
+        let mut batch = EndlessBatch::start(&dir);
+        assert!(batch.lists("SigCgt", signal), "{name} caught");
+        batch.signal(signal);
+        let (status, stderr) = batch.wait();
+        assert_eq!(status.signal(), Some(signal), "{status}: {stderr}");
+        assert_eq!(shell_status(status), shell);
+        let partial = batch.partial.display();
+        assert!(
+            stderr.contains(&format!(
+                "error: run-batch stopped: 1 of 3 lines were done; the lines done, in input \
+                 order, are in {partial}: interrupted ({name})"
+            )),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains("run-batch: 1 lines, 1 succeeded, 0 failed"),
+            "{stderr}"
+        );
+        let kept = output_lines(&std::fs::read_to_string(&batch.partial).unwrap());
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        assert_eq!(kept[0]["custom_id"], "quick");
+        assert!(!batch.output.exists());
+    }
 }

@@ -10,6 +10,13 @@
 //! [`StopSignals::recv`]. One [`StopSignals`] is made per run and handed from the load to the
 //! loop, so a signal that arrives in between (while the engine starts) is kept for the loop
 //! rather than lost: tokio delivers a signal only to the listeners that exist when it arrives.
+//!
+//! A command that a signal stopped before it did its job (`run-batch`) returns an error
+//! holding [`Interrupted`]; `main` ends the process with [`exit_status`], by that same signal
+//! (as coreutils and Python do), so the shell reports 128 + its number (130 for SIGINT, 143
+//! for SIGTERM) and a shell script running the command stops too, where a plain exit status
+//! would let the script go on after a Ctrl-C. `serve`, whose normal way to stop is a signal,
+//! returns no error then and exits 0.
 
 use actix_web::rt::SystemRunner;
 use anyhow::Context;
@@ -23,20 +30,79 @@ pub(super) struct StopSignals {
     terminate: Signal,
 }
 
+/// A signal that stops a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StopSignal {
+    /// SIGINT (Ctrl-C).
+    Interrupt,
+    /// SIGTERM.
+    Terminate,
+}
+
+impl StopSignal {
+    /// The signal's name (`SIGINT`, `SIGTERM`).
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Self::Interrupt => "SIGINT",
+            Self::Terminate => "SIGTERM",
+        }
+    }
+
+    /// The signal's number.
+    fn number(self) -> libc::c_int {
+        match self {
+            Self::Interrupt => libc::SIGINT,
+            Self::Terminate => libc::SIGTERM,
+        }
+    }
+}
+
 /// A stop signal ended what was under way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Interrupted {
-    /// The signal's name (`SIGINT`, `SIGTERM`).
-    pub(super) signal: &'static str,
+    /// The signal that came.
+    pub(super) signal: StopSignal,
 }
 
 impl std::fmt::Display for Interrupted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "interrupted ({})", self.signal)
+        write!(f, "interrupted ({})", self.signal.name())
     }
 }
 
 impl std::error::Error for Interrupted {}
+
+/// The [`Interrupted`] in `err`'s chain (as the error itself, or under a context), if any.
+pub(super) fn interruption(err: &anyhow::Error) -> Option<Interrupted> {
+    err.chain()
+        .find_map(|e| e.downcast_ref::<Interrupted>().copied())
+}
+
+/// How the process ends after `err` ended its command (`err` already reported): by the
+/// signal of the [`Interrupted`] in its chain, if there is one, else with status 1.
+///
+/// Ending by the signal (its handler reset to the default, then raised) is what the shell
+/// sees as 128 + its number, and what tells a calling shell script that its child was
+/// interrupted. Where the default action does not end the process (PID 1 of a container
+/// ignores it), the status is 128 + the number all the same.
+pub fn exit_status(err: &anyhow::Error) -> std::process::ExitCode {
+    let Some(stop) = interruption(err) else {
+        return std::process::ExitCode::FAILURE;
+    };
+    // Nothing runs after the signal: what is buffered for standard output (`run-batch -o -`)
+    // is written now.
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    let number = stop.signal.number();
+    // SAFETY: `signal` and `raise` take a valid signal number and the default disposition;
+    // they touch no memory of this process. The handler replaced is tokio's, whose listeners
+    // are all gone by now.
+    unsafe {
+        libc::signal(number, libc::SIG_DFL);
+        libc::raise(number);
+    }
+    // 130 or 143: both fit in the byte an exit status is.
+    std::process::ExitCode::from(128 + number as u8)
+}
 
 impl StopSignals {
     /// Installs the handlers on `system`'s runtime: from here on SIGINT and SIGTERM reach
@@ -56,8 +122,8 @@ impl StopSignals {
     /// [`Self::install`], counts).
     pub(super) async fn recv(&mut self) -> Interrupted {
         tokio::select! {
-            _ = self.interrupt.recv() => Interrupted { signal: "SIGINT" },
-            _ = self.terminate.recv() => Interrupted { signal: "SIGTERM" },
+            _ = self.interrupt.recv() => Interrupted { signal: StopSignal::Interrupt },
+            _ = self.terminate.recv() => Interrupted { signal: StopSignal::Terminate },
         }
     }
 
@@ -129,7 +195,9 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             err.downcast_ref::<Interrupted>(),
-            Some(&Interrupted { signal: "SIGINT" })
+            Some(&Interrupted {
+                signal: StopSignal::Interrupt
+            })
         );
         drop(release);
         // Work that ends first returns its result.
@@ -138,7 +206,12 @@ mod tests {
         // A signal sent before the loop awaits it is not lost.
         kill("-TERM");
         let stop = system.block_on(stops.recv());
-        assert_eq!(stop, Interrupted { signal: "SIGTERM" });
+        assert_eq!(
+            stop,
+            Interrupted {
+                signal: StopSignal::Terminate
+            }
+        );
 
         // Work that fails, or panics, is an error, not an interruption.
         let err = stops
@@ -150,5 +223,26 @@ mod tests {
             .unwrap_err();
         assert!(err.downcast_ref::<Interrupted>().is_none());
         assert!(err.to_string().contains("panicked"), "{err}");
+    }
+
+    #[test]
+    fn an_interruption_is_found_under_the_contexts_a_command_adds() {
+        let stop = Interrupted {
+            signal: StopSignal::Terminate,
+        };
+        let err = anyhow::Error::new(stop).context("run-batch stopped after 3 of 10 lines");
+        assert_eq!(interruption(&err), Some(stop));
+        assert_eq!(
+            format!("{err:#}"),
+            "run-batch stopped after 3 of 10 lines: interrupted (SIGTERM)"
+        );
+        let err = anyhow::Error::new(stop).context("inner").context("outer");
+        assert_eq!(interruption(&err), Some(stop));
+        // Another error, or one that only names a signal in its text, is no interruption.
+        assert_eq!(interruption(&anyhow::anyhow!("interrupted (SIGINT)")), None);
+        let io = std::io::Error::new(std::io::ErrorKind::Interrupted, "EINTR");
+        assert_eq!(interruption(&anyhow::Error::new(io).context("read")), None);
+        assert_eq!(StopSignal::Interrupt.number(), 2);
+        assert_eq!(StopSignal::Terminate.number(), 15);
     }
 }
