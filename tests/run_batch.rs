@@ -5,7 +5,8 @@
 mod common;
 
 use common::{
-    fails, golden, model_path, send_signal, signal_listed, switchyard, temp_dir, wait_exit, Server,
+    fails, golden, ignoring_sigint, model_path, send_signal, signal_listed, switchyard, temp_dir,
+    wait_exit, Server,
 };
 use serde_json::{json, Value};
 use std::os::unix::process::ExitStatusExt;
@@ -425,9 +426,10 @@ struct EndlessBatch {
 }
 
 impl EndlessBatch {
-    /// Starts it in `dir` and returns once the first line is written: the signal handlers
-    /// are installed by then, and the long lines are running.
-    fn start(dir: &Path) -> Self {
+    /// Starts it in `dir`, with SIGINT ignored from the start when `ignore_sigint` (as a
+    /// non-interactive shell starts a background job), and returns once the first line is
+    /// written: the signal handlers are installed by then, and the long lines are running.
+    fn start(dir: &Path, ignore_sigint: bool) -> Self {
         let long = json!({"prompt": "Count to ten thousand:", "max_tokens": 2000,
                           "ignore_eos": true, "temperature": 0});
         let input = [
@@ -455,6 +457,9 @@ impl EndlessBatch {
             .arg(&output)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr).unwrap());
+        if ignore_sigint {
+            ignoring_sigint(&mut cmd);
+        }
         let mut batch = Self {
             child: cmd.spawn().expect("start run-batch"),
             output,
@@ -513,7 +518,7 @@ fn an_interrupted_batch_keeps_its_lines_done_and_ends_by_the_signal() {
         (libc::SIGTERM, "SIGTERM", 143),
     ] {
         let dir = temp_dir("run-batch", &format!("interrupted-{name}"));
-        let mut batch = EndlessBatch::start(&dir);
+        let mut batch = EndlessBatch::start(&dir, false);
         assert!(batch.lists("SigCgt", signal), "{name} caught");
         batch.signal(signal);
         let (status, stderr) = batch.wait();
@@ -536,4 +541,31 @@ fn an_interrupted_batch_keeps_its_lines_done_and_ends_by_the_signal() {
         assert_eq!(kept[0]["custom_id"], "quick");
         assert!(!batch.output.exists());
     }
+}
+
+/// Regression: a run-batch started with SIGINT ignored (`run-batch ... &` in a script) took
+/// SIGINT over and was stopped by it. It is left ignored; SIGTERM still stops the run.
+#[test]
+fn a_sigint_inherited_ignored_stays_ignored_and_sigterm_still_stops() {
+    let dir = temp_dir("run-batch", "sigint-ignored");
+    let mut batch = EndlessBatch::start(&dir, true);
+    assert!(batch.lists("SigIgn", libc::SIGINT), "SIGINT ignored");
+    assert!(!batch.lists("SigCgt", libc::SIGINT), "SIGINT not caught");
+    assert!(batch.lists("SigCgt", libc::SIGTERM), "SIGTERM caught");
+    // An ignored signal is discarded as it is sent: the run goes on, and the SIGTERM after it
+    // is what stops it.
+    batch.signal(libc::SIGINT);
+    assert!(
+        batch.child.try_wait().unwrap().is_none(),
+        "{}",
+        batch.stderr()
+    );
+    batch.signal(libc::SIGTERM);
+    let (status, stderr) = batch.wait();
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status}: {stderr}");
+    assert!(
+        stderr.contains("1 of 3 lines were done") && stderr.contains("interrupted (SIGTERM)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("SIGINT"), "{stderr}");
 }

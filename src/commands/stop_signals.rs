@@ -11,6 +11,14 @@
 //! loop, so a signal that arrives in between (while the engine starts) is kept for the loop
 //! rather than lost: tokio delivers a signal only to the listeners that exist when it arrives.
 //!
+//! A SIGINT the process inherited ignored stays ignored: a POSIX shell starts a
+//! non-interactive shell's background jobs (`switchyard run-batch ... &` in a script) with
+//! SIGINT and SIGQUIT ignored so that a Ctrl-C meant for the foreground does not reach them,
+//! and the GNU coding standards (and Python, for its `KeyboardInterrupt`) leave such a signal
+//! alone. tokio's `signal()` would install a handler regardless, so the disposition is read
+//! first ([`inherited_ignored`]). SIGTERM is always handled: it is how a job is stopped on
+//! purpose, and nothing ignores it by convention.
+//!
 //! A command that a signal stopped before it did its job (`run-batch`) returns an error
 //! holding [`Interrupted`]; `main` ends the process with [`exit_status`], by that same signal
 //! (as coreutils and Python do), so the shell reports 128 + its number (130 for SIGINT, 143
@@ -24,8 +32,8 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 
 /// The stop signals' listeners.
 pub(super) struct StopSignals {
-    /// SIGINT (Ctrl-C).
-    interrupt: Signal,
+    /// SIGINT (Ctrl-C); `None` when the process inherited it ignored.
+    interrupt: Option<Signal>,
     /// SIGTERM.
     terminate: Signal,
 }
@@ -104,14 +112,39 @@ pub fn exit_status(err: &anyhow::Error) -> std::process::ExitCode {
     std::process::ExitCode::from(128 + number as u8)
 }
 
+/// Whether `signal` is ignored, as the process inherited it where nothing has installed a
+/// handler for it yet (see the module's docs).
+fn inherited_ignored(signal: libc::c_int) -> bool {
+    // SAFETY: a zeroed `sigaction` is a valid value of that plain C struct, and `sigaction`
+    // with no new action only writes the current one into `old`, which lives here.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(signal, std::ptr::null(), &mut old) == 0
+            && old.sa_sigaction == libc::SIG_IGN
+    }
+}
+
 impl StopSignals {
     /// Installs the handlers on `system`'s runtime: from here on SIGINT and SIGTERM reach
-    /// these listeners instead of ending the process.
+    /// these listeners instead of ending the process. A SIGINT the process inherited ignored
+    /// is left ignored (see the module's docs).
     pub(super) fn install(system: &SystemRunner) -> anyhow::Result<Self> {
+        let watch_interrupt = !inherited_ignored(libc::SIGINT);
+        if !watch_interrupt {
+            tracing::debug!(
+                "SIGINT was inherited ignored (a background job's): only SIGTERM stops"
+            );
+        }
         system.block_on(async {
             Ok(Self {
-                interrupt: signal(SignalKind::interrupt())
-                    .context("cannot install the SIGINT handler")?,
+                interrupt: if watch_interrupt {
+                    Some(
+                        signal(SignalKind::interrupt())
+                            .context("cannot install the SIGINT handler")?,
+                    )
+                } else {
+                    None
+                },
                 terminate: signal(SignalKind::terminate())
                     .context("cannot install the SIGTERM handler")?,
             })
@@ -121,9 +154,20 @@ impl StopSignals {
     /// The next stop signal, once it comes (one sent before it is awaited, after
     /// [`Self::install`], counts).
     pub(super) async fn recv(&mut self) -> Interrupted {
+        let Self {
+            interrupt,
+            terminate,
+        } = self;
+        // An ignored SIGINT never comes.
+        let interrupt = async {
+            match interrupt {
+                Some(listener) => listener.recv().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            _ = self.interrupt.recv() => Interrupted { signal: StopSignal::Interrupt },
-            _ = self.terminate.recv() => Interrupted { signal: StopSignal::Terminate },
+            _ = interrupt => Interrupted { signal: StopSignal::Interrupt },
+            _ = terminate.recv() => Interrupted { signal: StopSignal::Terminate },
         }
     }
 
@@ -244,5 +288,19 @@ mod tests {
         assert_eq!(interruption(&anyhow::Error::new(io).context("read")), None);
         assert_eq!(StopSignal::Interrupt.number(), 2);
         assert_eq!(StopSignal::Terminate.number(), 15);
+    }
+
+    /// SIGUSR2, which nothing in this binary uses, stands for an inherited SIGINT: this
+    /// process's own SIGINT has tokio's handler once the test above ran.
+    #[test]
+    fn an_ignored_disposition_is_read_as_ignored_and_a_default_one_is_not() {
+        let signal = libc::SIGUSR2;
+        assert!(!inherited_ignored(signal));
+        // SAFETY: sets and restores the disposition of a signal nothing else here uses.
+        let previous = unsafe { libc::signal(signal, libc::SIG_IGN) };
+        let ignored = inherited_ignored(signal);
+        unsafe { libc::signal(signal, previous) };
+        assert!(ignored);
+        assert!(!inherited_ignored(signal));
     }
 }

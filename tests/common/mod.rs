@@ -655,6 +655,21 @@ pub fn fails_within(cmd: &mut Command, limit: Duration, what: &str) -> String {
     err
 }
 
+/// Makes `cmd` start its process with SIGINT ignored, as a POSIX shell starts a
+/// non-interactive shell's background job (`switchyard run-batch ... &` in a script).
+pub fn ignoring_sigint(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: `signal` is async-signal-safe, and the closure touches nothing else.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::signal(libc::SIGINT, libc::SIG_IGN) == libc::SIG_ERR {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
 /// Whether process `pid`'s `/proc` status lists `signal` under `field`: `SigIgn` (ignored),
 /// `SigCgt` (caught by a handler).
 pub fn signal_listed(pid: u32, field: &str, signal: libc::c_int) -> bool {
