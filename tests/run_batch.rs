@@ -430,6 +430,15 @@ impl EndlessBatch {
     /// non-interactive shell starts a background job), and returns once the first line is
     /// written: the signal handlers are installed by then, and the long lines are running.
     fn start(dir: &Path, ignore_sigint: bool) -> Self {
+        let mut batch = Self::spawn(dir, ignore_sigint);
+        batch.wait_for("a line written", |b| {
+            std::fs::read_to_string(&b.partial).is_ok_and(|t| t.ends_with('\n'))
+        });
+        batch
+    }
+
+    /// Starts it in `dir` (SIGINT ignored when `ignore_sigint`) and returns at once.
+    fn spawn(dir: &Path, ignore_sigint: bool) -> Self {
         let long = json!({"prompt": "Count to ten thousand:", "max_tokens": 2000,
                           "ignore_eos": true, "temperature": 0});
         let input = [
@@ -460,24 +469,30 @@ impl EndlessBatch {
         if ignore_sigint {
             ignoring_sigint(&mut cmd);
         }
-        let mut batch = Self {
+        Self {
             child: cmd.spawn().expect("start run-batch"),
             output,
             partial,
             stderr,
-        };
+        }
+    }
+
+    /// Waits (at most 5 minutes) until `ready` says it is `what`; fails if it ends first.
+    fn wait_for(&mut self, what: &str, ready: impl Fn(&Self) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(300);
-        while !std::fs::read_to_string(&batch.partial).is_ok_and(|t| t.ends_with('\n')) {
-            if let Some(status) = batch.child.try_wait().unwrap() {
-                panic!("run-batch ended early ({status}):\n{}", batch.stderr());
+        while !ready(self) {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!(
+                    "run-batch ended ({status}) before {what}:\n{}",
+                    self.stderr()
+                );
             }
             if Instant::now() > deadline {
-                let _ = batch.child.kill();
-                panic!("no line was written:\n{}", batch.stderr());
+                let _ = self.child.kill();
+                panic!("no {what}:\n{}", self.stderr());
             }
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(5));
         }
-        batch
     }
 
     /// Sends it `signal`.
@@ -541,6 +556,39 @@ fn an_interrupted_batch_keeps_its_lines_done_and_ends_by_the_signal() {
         assert_eq!(kept[0]["custom_id"], "quick");
         assert!(!batch.output.exists());
     }
+}
+
+/// A signal as the model loads ends the run at once by that signal, with nothing written.
+/// The signal is sent at the load's log line (the handlers are installed by then); the small
+/// model's load may end before it arrives, and then it stops the run instead: either way the
+/// process ends by the signal, saying what was done.
+#[test]
+fn a_batch_interrupted_as_the_model_loads_ends_by_the_signal() {
+    let dir = temp_dir("run-batch", "interrupted-load");
+    let mut batch = EndlessBatch::spawn(&dir, false);
+    batch.wait_for("the model load's start", |b| {
+        b.stderr().contains("loading model")
+    });
+    batch.signal(libc::SIGINT);
+    let (status, stderr) = batch.wait();
+    assert_eq!(status.signal(), Some(libc::SIGINT), "{status}: {stderr}");
+    if stderr.contains("while the model loaded") {
+        assert!(
+            stderr.contains(
+                "error: run-batch stopped while the model loaded, before any line ran (no \
+                 output was written): interrupted (SIGINT)"
+            ),
+            "{stderr}"
+        );
+        assert!(!batch.partial.exists());
+    } else {
+        assert!(
+            stderr.contains("error: run-batch stopped: ")
+                && stderr.contains("interrupted (SIGINT)"),
+            "{stderr}"
+        );
+    }
+    assert!(!batch.output.exists());
 }
 
 /// Regression: a run-batch started with SIGINT ignored (`run-batch ... &` in a script) took

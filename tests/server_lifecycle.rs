@@ -392,6 +392,45 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     wait_exit_zero(&mut s);
 }
 
+/// A stop asked for as the model loads exits 0, as one after a drain does: a signal is how a
+/// server is meant to stop. It is sent at the load's log line (the handlers are installed by
+/// then); the small model's load may end before it arrives, and then the server drains.
+#[test]
+fn a_stop_as_the_model_loads_exits_zero() {
+    let dir = common::temp_dir("server", "stop-loading");
+    let config = dir.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: 0\n",
+            common::model_path().display()
+        ),
+    )
+    .unwrap();
+    let child = common::serve(&config, &dir).spawn().expect("start serve");
+    let mut s = Server {
+        port: 0,
+        child,
+        dir: dir.keep(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !s.log().contains("loading model") {
+        if let Some(status) = s.child.try_wait().expect("wait") {
+            panic!("serve ended ({status}) before the load:\n{}", s.log());
+        }
+        assert!(Instant::now() < deadline, "no load:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    sigterm(&s);
+    wait_exit_zero(&mut s);
+    let log = s.log();
+    assert!(
+        log.contains("stopped while the model loaded: the server did not start signal=\"SIGTERM\"")
+            || log.contains("draining"),
+        "{log}"
+    );
+}
+
 /// Regression: a server started with SIGINT ignored (`switchyard serve ... &` in a script)
 /// took SIGINT over and drained on it. It is left ignored, and SIGTERM drains and exits 0.
 #[test]
