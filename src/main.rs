@@ -16,7 +16,8 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             commands::report_fatal(&err);
-            ExitCode::FAILURE
+            // 1, or the end by the signal that interrupted the command (130, 143).
+            commands::exit_status(&err)
         }
     }
 }

@@ -4,9 +4,15 @@
 
 mod common;
 
-use common::{fails, golden, model_path, switchyard, temp_dir, Server};
+use common::{
+    fails, golden, ignoring_sigint, model_path, send_signal, signal_listed, switchyard, temp_dir,
+    wait_exit, Server,
+};
 use serde_json::{json, Value};
+use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
+use std::process::{Child, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 /// The scheduler of both the server and the batch.
 const SCHEDULER: &str = "scheduler:\n  max_num_seqs: 16\n  max_num_batched_tokens: 1024\n";
@@ -91,6 +97,13 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
             "/v1/responses",
             json!({"input": "And then?", "previous_response_id": "resp_1"}),
         ),
+        // Longer than a line may be (64 KiB of body, set below, + 64 KiB): refused unread,
+        // so its error names no custom_id, and its id is no duplicate of the first line's.
+        line(
+            "chat",
+            "/v1/completions",
+            json!({"prompt": "x".repeat(140_000)}),
+        ),
     ]
     .join("\n");
     let input_path = dir.join("requests.jsonl");
@@ -99,12 +112,12 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     // The server's own configuration file: run-batch opens no socket, so its port is no matter.
     let stderr = run_batch(
         &server.dir.join("config.yaml"),
-        &[],
+        &["server.max_body_bytes=65536"],
         &input_path,
         &output_path,
     );
     assert!(
-        stderr.contains("run-batch: 10 lines, 4 succeeded, 6 failed"),
+        stderr.contains("run-batch: 11 lines, 4 succeeded, 7 failed"),
         "{stderr}"
     );
     assert!(!dir.join("results.jsonl.partial").exists());
@@ -125,7 +138,8 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
             "unknown-url",
             "<null>",
             "refused",
-            "chained"
+            "chained",
+            "<null>"
         ]
     );
     for l in &lines {
@@ -139,7 +153,7 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
     }
     let status = |i: usize| lines[i]["response"]["status_code"].as_u64();
     assert_eq!(
-        (0..10).map(status).collect::<Vec<_>>(),
+        (0..11).map(status).collect::<Vec<_>>(),
         [
             Some(200),
             Some(200),
@@ -150,9 +164,11 @@ fn a_batch_file_is_answered_in_order_as_serve_answers() {
             None,
             None,
             Some(400),
-            Some(400)
+            Some(400),
+            None
         ]
     );
+    assert_eq!(lines[10]["error"]["code"], "line_too_long", "{}", lines[10]);
     // A batch without a journal stores nothing, and says so in the words of run-batch.
     let chained = &lines[9]["response"]["body"]["error"];
     assert_eq!(chained["param"], "previous_response_id", "{chained}");
@@ -351,13 +367,13 @@ fn a_file_with_a_duplicate_custom_id_is_refused_before_anything_runs() {
     ]
     .join("\n");
     std::fs::write(&input_path, input).unwrap();
-    // No model is read: the configuration is not even opened.
+    // Refused once the configuration (which bounds a line) is read, before the model loads.
     let output_path = dir.join("out.jsonl");
     let err = fails(
         switchyard()
             .arg("run-batch")
             .arg("--config")
-            .arg(dir.join("missing.yaml"))
+            .arg(batch_config(&dir))
             .arg("-i")
             .arg(&input_path)
             .arg("-o")
@@ -383,4 +399,221 @@ fn a_url_as_input_is_refused() {
             .arg(dir.join("out.jsonl")),
     );
     assert!(err.contains("fetches nothing from the network"), "{err}");
+}
+
+/// A configuration for run-batch alone (its port is never bound), written in `dir`.
+fn batch_config(dir: &Path) -> std::path::PathBuf {
+    let config = dir.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model:\n  path: {}\n  threads: 2\n{SCHEDULER}",
+            model_path().display()
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// A batch that is still running when a test stops it: a line answered at once (one token),
+/// then two that each generate 2,000 tokens whatever the model writes (`ignore_eos`), which
+/// the CPU takes far longer to do than a test takes to send a signal.
+struct EndlessBatch {
+    child: Child,
+    output: std::path::PathBuf,
+    partial: std::path::PathBuf,
+    stderr: std::path::PathBuf,
+}
+
+impl EndlessBatch {
+    /// Starts it in `dir`, with SIGINT ignored from the start when `ignore_sigint` (as a
+    /// non-interactive shell starts a background job), and returns once the first line is
+    /// written: the signal handlers are installed by then, and the long lines are running.
+    fn start(dir: &Path, ignore_sigint: bool) -> Self {
+        let mut batch = Self::spawn(dir, ignore_sigint);
+        batch.wait_for("a line written", |b| {
+            std::fs::read_to_string(&b.partial).is_ok_and(|t| t.ends_with('\n'))
+        });
+        batch
+    }
+
+    /// Starts it in `dir` (SIGINT ignored when `ignore_sigint`) and returns at once.
+    fn spawn(dir: &Path, ignore_sigint: bool) -> Self {
+        let long = json!({"prompt": "Count to ten thousand:", "max_tokens": 2000,
+                          "ignore_eos": true, "temperature": 0});
+        let input = [
+            line(
+                "quick",
+                "/v1/completions",
+                json!({"prompt": "Hi", "max_tokens": 1}),
+            ),
+            line("long-1", "/v1/completions", long.clone()),
+            line("long-2", "/v1/completions", long),
+        ]
+        .join("\n");
+        let input_path = dir.join("requests.jsonl");
+        std::fs::write(&input_path, input).unwrap();
+        let output = dir.join("out.jsonl");
+        let partial = dir.join("out.jsonl.partial");
+        let stderr = dir.join("stderr.txt");
+        let mut cmd = switchyard();
+        cmd.arg("run-batch")
+            .arg("--config")
+            .arg(batch_config(dir))
+            .arg("-i")
+            .arg(&input_path)
+            .arg("-o")
+            .arg(&output)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        if ignore_sigint {
+            ignoring_sigint(&mut cmd);
+        }
+        Self {
+            child: cmd.spawn().expect("start run-batch"),
+            output,
+            partial,
+            stderr,
+        }
+    }
+
+    /// Waits (at most 5 minutes) until `ready` says it is `what`; fails if it ends first.
+    fn wait_for(&mut self, what: &str, ready: impl Fn(&Self) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while !ready(self) {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!(
+                    "run-batch ended ({status}) before {what}:\n{}",
+                    self.stderr()
+                );
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("no {what}:\n{}", self.stderr());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Sends it `signal`.
+    fn signal(&self, signal: libc::c_int) {
+        send_signal(self.child.id(), signal);
+    }
+
+    /// Whether its `/proc` status lists `signal` under `field` (`SigIgn`, `SigCgt`).
+    fn lists(&self, field: &str, signal: libc::c_int) -> bool {
+        signal_listed(self.child.id(), field, signal)
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Waits for its end; returns its status and stderr.
+    fn wait(&mut self) -> (ExitStatus, String) {
+        let status = wait_exit(&mut self.child, Duration::from_secs(60), "run-batch");
+        (status, self.stderr())
+    }
+}
+
+/// The status a shell reports for `status`: the exit code, or 128 + the signal that ended it.
+fn shell_status(status: ExitStatus) -> i32 {
+    status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap()
+}
+
+/// Ctrl-C or SIGTERM mid-run: the lines done are kept in `OUTPUT.partial`, the summary says
+/// how many, and the process ends by the signal (the shell's 130 or 143), the batch not done.
+#[test]
+fn an_interrupted_batch_keeps_its_lines_done_and_ends_by_the_signal() {
+    for (signal, name, shell) in [
+        (libc::SIGINT, "SIGINT", 130),
+        (libc::SIGTERM, "SIGTERM", 143),
+    ] {
+        let dir = temp_dir("run-batch", &format!("interrupted-{name}"));
+        let mut batch = EndlessBatch::start(&dir, false);
+        assert!(batch.lists("SigCgt", signal), "{name} caught");
+        batch.signal(signal);
+        let (status, stderr) = batch.wait();
+        assert_eq!(status.signal(), Some(signal), "{status}: {stderr}");
+        assert_eq!(shell_status(status), shell);
+        let partial = batch.partial.display();
+        assert!(
+            stderr.contains(&format!(
+                "error: run-batch stopped: 1 of 3 lines were done; the lines done, in input \
+                 order, are in {partial}: interrupted ({name})"
+            )),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains("run-batch: 1 lines, 1 succeeded, 0 failed"),
+            "{stderr}"
+        );
+        let kept = output_lines(&std::fs::read_to_string(&batch.partial).unwrap());
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        assert_eq!(kept[0]["custom_id"], "quick");
+        assert!(!batch.output.exists());
+    }
+}
+
+/// A signal as the model loads ends the run at once by that signal, with nothing written.
+/// The signal is sent at the load's log line (the handlers are installed by then); the small
+/// model's load may end before it arrives, and then it stops the run instead: either way the
+/// process ends by the signal, saying what was done.
+#[test]
+fn a_batch_interrupted_as_the_model_loads_ends_by_the_signal() {
+    let dir = temp_dir("run-batch", "interrupted-load");
+    let mut batch = EndlessBatch::spawn(&dir, false);
+    batch.wait_for("the model load's start", |b| {
+        b.stderr().contains("loading model")
+    });
+    batch.signal(libc::SIGINT);
+    let (status, stderr) = batch.wait();
+    assert_eq!(status.signal(), Some(libc::SIGINT), "{status}: {stderr}");
+    if stderr.contains("while the model loaded") {
+        assert!(
+            stderr.contains(
+                "error: run-batch stopped while the model loaded, before any line ran (no \
+                 output was written): interrupted (SIGINT)"
+            ),
+            "{stderr}"
+        );
+        assert!(!batch.partial.exists());
+    } else {
+        assert!(
+            stderr.contains("error: run-batch stopped: ")
+                && stderr.contains("interrupted (SIGINT)"),
+            "{stderr}"
+        );
+    }
+    assert!(!batch.output.exists());
+}
+
+/// Regression: a run-batch started with SIGINT ignored (`run-batch ... &` in a script) took
+/// SIGINT over and was stopped by it. It is left ignored; SIGTERM still stops the run.
+#[test]
+fn a_sigint_inherited_ignored_stays_ignored_and_sigterm_still_stops() {
+    let dir = temp_dir("run-batch", "sigint-ignored");
+    let mut batch = EndlessBatch::start(&dir, true);
+    assert!(batch.lists("SigIgn", libc::SIGINT), "SIGINT ignored");
+    assert!(!batch.lists("SigCgt", libc::SIGINT), "SIGINT not caught");
+    assert!(batch.lists("SigCgt", libc::SIGTERM), "SIGTERM caught");
+    // An ignored signal is discarded as it is sent: the run goes on, and the SIGTERM after it
+    // is what stops it.
+    batch.signal(libc::SIGINT);
+    assert!(
+        batch.child.try_wait().unwrap().is_none(),
+        "{}",
+        batch.stderr()
+    );
+    batch.signal(libc::SIGTERM);
+    let (status, stderr) = batch.wait();
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status}: {stderr}");
+    assert!(
+        stderr.contains("1 of 3 lines were done") && stderr.contains("interrupted (SIGTERM)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("SIGINT"), "{stderr}");
 }

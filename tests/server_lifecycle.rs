@@ -392,6 +392,83 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     wait_exit_zero(&mut s);
 }
 
+/// A stop asked for as the model loads exits 0, as one after a drain does: a signal is how a
+/// server is meant to stop. It is sent at the load's log line (the handlers are installed by
+/// then); the small model's load may end before it arrives, and then the server drains.
+#[test]
+fn a_stop_as_the_model_loads_exits_zero() {
+    let dir = common::temp_dir("server", "stop-loading");
+    let config = dir.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: 0\n",
+            common::model_path().display()
+        ),
+    )
+    .unwrap();
+    let child = common::serve(&config, &dir).spawn().expect("start serve");
+    let mut s = Server {
+        port: 0,
+        child,
+        dir: dir.keep(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !s.log().contains("loading model") {
+        if let Some(status) = s.child.try_wait().expect("wait") {
+            panic!("serve ended ({status}) before the load:\n{}", s.log());
+        }
+        assert!(Instant::now() < deadline, "no load:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    sigterm(&s);
+    wait_exit_zero(&mut s);
+    let log = s.log();
+    assert!(
+        log.contains("stopped while the model loaded: the server did not start signal=\"SIGTERM\"")
+            || log.contains("draining"),
+        "{log}"
+    );
+}
+
+/// Regression: a server started with SIGINT ignored (`switchyard serve ... &` in a script)
+/// took SIGINT over and drained on it. It is left ignored, and SIGTERM drains and exits 0.
+#[test]
+fn a_sigint_inherited_ignored_stays_ignored_and_sigterm_still_drains() {
+    let dir = common::temp_dir("server", "sigint-ignored");
+    let config = dir.join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: 0\n",
+            common::model_path().display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = common::serve(&config, &dir);
+    let child = common::ignoring_sigint(&mut cmd)
+        .spawn()
+        .expect("start serve");
+    let mut s = Server {
+        port: 0,
+        child,
+        dir: dir.keep(),
+    };
+    s.wait_ready();
+    let pid = s.child.id();
+    assert!(common::signal_listed(pid, "SigIgn", libc::SIGINT));
+    assert!(!common::signal_listed(pid, "SigCgt", libc::SIGINT));
+    assert!(common::signal_listed(pid, "SigCgt", libc::SIGTERM));
+    // Discarded as it is sent: the server goes on serving.
+    signal(&s, "-INT");
+    s.assert_serves();
+    sigterm(&s);
+    wait_exit_zero(&mut s);
+    let log = s.log();
+    assert_eq!(log.matches("draining").count(), 1, "{log}");
+    assert!(!log.contains("second signal"), "{log}");
+}
+
 /// Past the drain timeout, every request still in flight gets a final answer: a stream its
 /// error event and `[DONE]`, a plain request a 503; then the server exits 0.
 #[test]

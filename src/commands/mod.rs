@@ -14,6 +14,8 @@ mod serve;
 mod simulate;
 mod stop_signals;
 
+pub use stop_signals::exit_status;
+
 use crate::cli::{Cli, Command};
 use std::io::IsTerminal;
 use switchyard_gpu::progress::{ProgressSink, ProgressStep};

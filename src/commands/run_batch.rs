@@ -20,11 +20,13 @@
 //! bound) while other lines are in flight is run again once one of them ends; with nothing
 //! else in flight, its answer is final, as `serve` would give it.
 //!
-//! The output goes to `OUTPUT.partial` and is renamed to `OUTPUT` at the end, so no half file
-//! is ever under the final name. On SIGINT or SIGTERM the requests in flight are aborted, the
-//! lines done so far (a prefix of the input, in order) stay in `OUTPUT.partial`, and the
-//! command fails saying how many they are; during the model load, before any output exists,
-//! the command fails at once ([`super::stop_signals`]).
+//! The output goes to `OUTPUT.partial`, each line written out as soon as every line before it
+//! is, and is renamed to `OUTPUT` at the end, so no half file is ever under the final name.
+//! On SIGINT or SIGTERM the requests in flight are aborted, the lines done so far (a prefix
+//! of the input, in order) stay in `OUTPUT.partial`, and the command fails saying how many
+//! they are; during the model load, before any output exists, the command fails at once.
+//! Either way the process then ends by that signal (the shell's status 130 or 143), the
+//! batch not being done ([`super::stop_signals`]).
 
 mod lines;
 
@@ -56,11 +58,17 @@ use crate::cli::RunBatchArgs;
 
 pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
     let output = Output::new(&args.output)?;
-    // Everything about the files is checked before the configuration and the model.
+    // The files are checked before the configuration, and the model, is read; but for the
+    // duplicate `custom_id` check, which needs the bound on a line the configuration sets.
     let input = read_input(&args.input)?;
     let requests = lines::split_lines(&input).with_context(|| args.input.clone())?;
     let super::config::Checked { config, .. } =
         super::config::load_checked(&args.config, &args.overrides)?;
+    let max_line_bytes = config
+        .server
+        .max_body_bytes
+        .saturating_add(lines::ENVELOPE_BYTES);
+    lines::check_unique_ids(&requests, max_line_bytes).with_context(|| args.input.clone())?;
     super::init_logging(
         &config.logging.level,
         config.logging.format == switchyard_config::LogFormat::Json,
@@ -87,11 +95,16 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
             metrics_tenants: Default::default(),
         },
     )
-    .map_err(|e| match e.downcast_ref::<Interrupted>() {
-        Some(stop) => {
-            anyhow::anyhow!("{stop} while the model loaded: no line ran and no output was written")
+    .map_err(|e| {
+        if e.is::<Interrupted>() {
+            // Kept in the chain: `main` ends the process by the signal.
+            e.context(
+                "run-batch stopped while the model loaded, before any line ran (no output \
+                 was written)",
+            )
+        } else {
+            e
         }
-        None => e,
     })?;
     let mut api_config = loaded.api_config(&config, Vec::new());
     api_config.rate_limits.clear();
@@ -111,7 +124,7 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
         .max(1);
     let limits = Limits {
         window,
-        max_line_bytes: config.server.max_body_bytes + lines::ENVELOPE_BYTES,
+        max_line_bytes,
     };
     system.block_on(async move {
         let RunningEngine { adapter, .. } =
@@ -180,8 +193,8 @@ struct Summary {
     output_tokens: u64,
     /// From the first line's start to the last line's end.
     seconds: f64,
-    /// Whether a signal stopped the run.
-    interrupted: bool,
+    /// The signal that stopped the run, if one did.
+    interrupted: Option<Interrupted>,
     /// Where it went wrong, when it did (writing the output).
     error: Option<anyhow::Error>,
 }
@@ -222,7 +235,7 @@ where
             succeeded: 0,
             output_tokens: 0,
             seconds: 0.0,
-            interrupted: false,
+            interrupted: None,
             error: None,
         },
     };
@@ -308,8 +321,10 @@ where
     summary.seconds = started.elapsed().as_secs_f64();
     match result {
         Ok(()) => summary.error = flushed.err().map(anyhow::Error::from),
-        Err(e) if e.is::<Interrupted>() => summary.interrupted = true,
-        Err(e) => summary.error = Some(e),
+        Err(e) => match e.downcast::<Interrupted>() {
+            Ok(stop) => summary.interrupted = Some(stop),
+            Err(e) => summary.error = Some(e),
+        },
     }
     progress.finish();
     summary
@@ -347,9 +362,17 @@ impl Sink {
         self.summary.output_tokens += outcome.output_tokens();
         let id = format!("batch_req_{:032x}", self.ids.random::<u128>());
         let line = lines::output_line(&id, custom_id, &outcome);
+        let mut released = false;
         for line in self.order.push(index, line) {
             self.writer.write_all(line.as_bytes())?;
             self.writer.write_all(b"\n")?;
+            released = true;
+        }
+        if released {
+            // Out of the buffer at once: `OUTPUT.partial` shows the progress (`tail -f`) and
+            // keeps the lines done even when the process is killed (one write per answer,
+            // nothing beside generating it).
+            self.writer.flush()?;
         }
         self.summary.written = self.order.written();
         Ok(())
@@ -563,7 +586,7 @@ impl Output {
                 summary.written, summary.total
             )));
         }
-        if summary.interrupted {
+        if let Some(stop) = summary.interrupted {
             super::StderrProgress.note(&line);
             let kept = match self {
                 Self::File { partial, .. } => format!(
@@ -577,11 +600,11 @@ impl Output {
                 0 => String::new(),
                 n => format!(" ({n} more answered after a line still running were dropped)"),
             };
-            anyhow::bail!(
-                "interrupted: {} of {} lines were done{dropped}{kept}",
-                summary.written,
-                summary.total
-            );
+            // The signal stays in the chain: `main` ends the process by it.
+            return Err(anyhow::Error::new(stop).context(format!(
+                "run-batch stopped: {} of {} lines were done{dropped}{kept}",
+                summary.written, summary.total
+            )));
         }
         if let Self::File { target, partial } = self {
             rename(partial, target)?;

@@ -137,7 +137,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // From here on SIGINT and SIGTERM are watched: during the load, which they end at once,
     // then (the same listeners, so that none is lost while the engine starts) by the loop.
     let mut stops = StopSignals::install(&system)?;
-    let loaded = load_engine_interruptible(
+    let loaded = match load_engine_interruptible(
         &system,
         &mut stops,
         &config,
@@ -147,11 +147,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             metrics: prometheus.is_some(),
             metrics_tenants: key_tenants.into_iter().map(|(tenant, _)| tenant).collect(),
         },
-    )
-    .map_err(|e| match e.downcast_ref::<Interrupted>() {
-        Some(stop) => anyhow::anyhow!("{stop} while the model loaded: the server did not start"),
-        None => e,
-    })?;
+    ) {
+        Ok(loaded) => loaded,
+        // A stop asked for before the server started is still the stop asked for, not a
+        // failure: the process exits 0, as after a drain (see `stop_signals`).
+        Err(e) => match e.downcast::<Interrupted>() {
+            Ok(stop) => {
+                tracing::info!(
+                    signal = stop.signal.name(),
+                    "stopped while the model loaded: the server did not start"
+                );
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        },
+    };
     let api_is_open = api_keys.is_empty();
     let api_config = loaded.api_config(&config, api_keys);
     let options = ServerOptions {

@@ -10,6 +10,21 @@
 //! [`StopSignals::recv`]. One [`StopSignals`] is made per run and handed from the load to the
 //! loop, so a signal that arrives in between (while the engine starts) is kept for the loop
 //! rather than lost: tokio delivers a signal only to the listeners that exist when it arrives.
+//!
+//! A SIGINT the process inherited ignored stays ignored: a POSIX shell starts a
+//! non-interactive shell's background jobs (`switchyard run-batch ... &` in a script) with
+//! SIGINT and SIGQUIT ignored so that a Ctrl-C meant for the foreground does not reach them,
+//! and the GNU coding standards (and Python, for its `KeyboardInterrupt`) leave such a signal
+//! alone. tokio's `signal()` would install a handler regardless, so the disposition is read
+//! first ([`inherited_ignored`]). SIGTERM is always handled: it is how a job is stopped on
+//! purpose, and nothing ignores it by convention.
+//!
+//! A command that a signal stopped before it did its job (`run-batch`) returns an error
+//! holding [`Interrupted`]; `main` ends the process with [`exit_status`], by that same signal
+//! (as coreutils and Python do), so the shell reports 128 + its number (130 for SIGINT, 143
+//! for SIGTERM) and a shell script running the command stops too, where a plain exit status
+//! would let the script go on after a Ctrl-C. `serve`, whose normal way to stop is a signal,
+//! returns no error then and exits 0.
 
 use actix_web::rt::SystemRunner;
 use anyhow::Context;
@@ -17,35 +32,119 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 
 /// The stop signals' listeners.
 pub(super) struct StopSignals {
-    /// SIGINT (Ctrl-C).
-    interrupt: Signal,
+    /// SIGINT (Ctrl-C); `None` when the process inherited it ignored.
+    interrupt: Option<Signal>,
     /// SIGTERM.
     terminate: Signal,
+}
+
+/// A signal that stops a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StopSignal {
+    /// SIGINT (Ctrl-C).
+    Interrupt,
+    /// SIGTERM.
+    Terminate,
+}
+
+impl StopSignal {
+    /// The signal's name (`SIGINT`, `SIGTERM`).
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Self::Interrupt => "SIGINT",
+            Self::Terminate => "SIGTERM",
+        }
+    }
+
+    /// The signal's number.
+    fn number(self) -> libc::c_int {
+        match self {
+            Self::Interrupt => libc::SIGINT,
+            Self::Terminate => libc::SIGTERM,
+        }
+    }
 }
 
 /// A stop signal ended what was under way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Interrupted {
-    /// The signal's name (`SIGINT`, `SIGTERM`).
-    pub(super) signal: &'static str,
+    /// The signal that came.
+    pub(super) signal: StopSignal,
 }
 
 impl std::fmt::Display for Interrupted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "interrupted ({})", self.signal)
+        write!(f, "interrupted ({})", self.signal.name())
     }
 }
 
 impl std::error::Error for Interrupted {}
 
+/// The [`Interrupted`] in `err`'s chain (as the error itself, or under a context), if any.
+pub(super) fn interruption(err: &anyhow::Error) -> Option<Interrupted> {
+    err.chain()
+        .find_map(|e| e.downcast_ref::<Interrupted>().copied())
+}
+
+/// How the process ends after `err` ended its command (`err` already reported): by the
+/// signal of the [`Interrupted`] in its chain, if there is one, else with status 1.
+///
+/// Ending by the signal (its handler reset to the default, then raised) is what the shell
+/// sees as 128 + its number, and what tells a calling shell script that its child was
+/// interrupted. Where the default action does not end the process (PID 1 of a container
+/// ignores it), the status is 128 + the number all the same.
+pub fn exit_status(err: &anyhow::Error) -> std::process::ExitCode {
+    let Some(stop) = interruption(err) else {
+        return std::process::ExitCode::FAILURE;
+    };
+    // Nothing runs after the signal: what is buffered for standard output (`run-batch -o -`)
+    // is written now.
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    let number = stop.signal.number();
+    // SAFETY: `signal` and `raise` take a valid signal number and the default disposition;
+    // they touch no memory of this process. The handler replaced is tokio's, whose listeners
+    // are all gone by now.
+    unsafe {
+        libc::signal(number, libc::SIG_DFL);
+        libc::raise(number);
+    }
+    // 130 or 143: both fit in the byte an exit status is.
+    std::process::ExitCode::from(128 + number as u8)
+}
+
+/// Whether `signal` is ignored, as the process inherited it where nothing has installed a
+/// handler for it yet (see the module's docs).
+fn inherited_ignored(signal: libc::c_int) -> bool {
+    // SAFETY: a zeroed `sigaction` is a valid value of that plain C struct, and `sigaction`
+    // with no new action only writes the current one into `old`, which lives here.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(signal, std::ptr::null(), &mut old) == 0
+            && old.sa_sigaction == libc::SIG_IGN
+    }
+}
+
 impl StopSignals {
     /// Installs the handlers on `system`'s runtime: from here on SIGINT and SIGTERM reach
-    /// these listeners instead of ending the process.
+    /// these listeners instead of ending the process. A SIGINT the process inherited ignored
+    /// is left ignored (see the module's docs).
     pub(super) fn install(system: &SystemRunner) -> anyhow::Result<Self> {
+        let watch_interrupt = !inherited_ignored(libc::SIGINT);
+        if !watch_interrupt {
+            tracing::debug!(
+                "SIGINT was inherited ignored (a background job's): only SIGTERM stops"
+            );
+        }
         system.block_on(async {
             Ok(Self {
-                interrupt: signal(SignalKind::interrupt())
-                    .context("cannot install the SIGINT handler")?,
+                interrupt: if watch_interrupt {
+                    Some(
+                        signal(SignalKind::interrupt())
+                            .context("cannot install the SIGINT handler")?,
+                    )
+                } else {
+                    None
+                },
                 terminate: signal(SignalKind::terminate())
                     .context("cannot install the SIGTERM handler")?,
             })
@@ -55,9 +154,20 @@ impl StopSignals {
     /// The next stop signal, once it comes (one sent before it is awaited, after
     /// [`Self::install`], counts).
     pub(super) async fn recv(&mut self) -> Interrupted {
+        let Self {
+            interrupt,
+            terminate,
+        } = self;
+        // An ignored SIGINT never comes.
+        let interrupt = async {
+            match interrupt {
+                Some(listener) => listener.recv().await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            _ = self.interrupt.recv() => Interrupted { signal: "SIGINT" },
-            _ = self.terminate.recv() => Interrupted { signal: "SIGTERM" },
+            _ = interrupt => Interrupted { signal: StopSignal::Interrupt },
+            _ = terminate.recv() => Interrupted { signal: StopSignal::Terminate },
         }
     }
 
@@ -129,7 +239,9 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             err.downcast_ref::<Interrupted>(),
-            Some(&Interrupted { signal: "SIGINT" })
+            Some(&Interrupted {
+                signal: StopSignal::Interrupt
+            })
         );
         drop(release);
         // Work that ends first returns its result.
@@ -138,7 +250,12 @@ mod tests {
         // A signal sent before the loop awaits it is not lost.
         kill("-TERM");
         let stop = system.block_on(stops.recv());
-        assert_eq!(stop, Interrupted { signal: "SIGTERM" });
+        assert_eq!(
+            stop,
+            Interrupted {
+                signal: StopSignal::Terminate
+            }
+        );
 
         // Work that fails, or panics, is an error, not an interruption.
         let err = stops
@@ -150,5 +267,40 @@ mod tests {
             .unwrap_err();
         assert!(err.downcast_ref::<Interrupted>().is_none());
         assert!(err.to_string().contains("panicked"), "{err}");
+    }
+
+    #[test]
+    fn an_interruption_is_found_under_the_contexts_a_command_adds() {
+        let stop = Interrupted {
+            signal: StopSignal::Terminate,
+        };
+        let err = anyhow::Error::new(stop).context("run-batch stopped after 3 of 10 lines");
+        assert_eq!(interruption(&err), Some(stop));
+        assert_eq!(
+            format!("{err:#}"),
+            "run-batch stopped after 3 of 10 lines: interrupted (SIGTERM)"
+        );
+        let err = anyhow::Error::new(stop).context("inner").context("outer");
+        assert_eq!(interruption(&err), Some(stop));
+        // Another error, or one that only names a signal in its text, is no interruption.
+        assert_eq!(interruption(&anyhow::anyhow!("interrupted (SIGINT)")), None);
+        let io = std::io::Error::new(std::io::ErrorKind::Interrupted, "EINTR");
+        assert_eq!(interruption(&anyhow::Error::new(io).context("read")), None);
+        assert_eq!(StopSignal::Interrupt.number(), 2);
+        assert_eq!(StopSignal::Terminate.number(), 15);
+    }
+
+    /// SIGUSR2, which nothing in this binary uses, stands for an inherited SIGINT: this
+    /// process's own SIGINT has tokio's handler once the test above ran.
+    #[test]
+    fn an_ignored_disposition_is_read_as_ignored_and_a_default_one_is_not() {
+        let signal = libc::SIGUSR2;
+        assert!(!inherited_ignored(signal));
+        // SAFETY: sets and restores the disposition of a signal nothing else here uses.
+        let previous = unsafe { libc::signal(signal, libc::SIG_IGN) };
+        let ignored = inherited_ignored(signal);
+        unsafe { libc::signal(signal, previous) };
+        assert!(ignored);
+        assert!(!inherited_ignored(signal));
     }
 }

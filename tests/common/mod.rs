@@ -654,3 +654,37 @@ pub fn fails_within(cmd: &mut Command, limit: Duration, what: &str) -> String {
     assert!(!status.success(), "{what} should have failed: {err}");
     err
 }
+
+/// Makes `cmd` start its process with SIGINT ignored, as a POSIX shell starts a
+/// non-interactive shell's background job (`switchyard run-batch ... &` in a script).
+pub fn ignoring_sigint(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: `signal` is async-signal-safe, and the closure touches nothing else.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::signal(libc::SIGINT, libc::SIG_IGN) == libc::SIG_ERR {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Whether process `pid`'s `/proc` status lists `signal` under `field`: `SigIgn` (ignored),
+/// `SigCgt` (caught by a handler).
+pub fn signal_listed(pid: u32, field: &str, signal: libc::c_int) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    let hex = status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("no {field} in {status}"));
+    let mask = u64::from_str_radix(hex.trim(), 16).expect("a hexadecimal mask");
+    mask & (1 << (signal - 1)) != 0
+}
+
+/// Sends process `pid` (a child the test started and has not reaped) `signal`.
+pub fn send_signal(pid: u32, signal: libc::c_int) {
+    let pid = libc::pid_t::try_from(pid).expect("a pid");
+    // SAFETY: a plain system call, on a process of the test's own.
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill");
+}

@@ -76,8 +76,9 @@ pub struct InputLine<'a> {
 }
 
 /// The requests of `input`: its non-blank lines (blank ones, and a final line ending, are no
-/// request), refused whole when there are more than [`MAX_LINES`], none, or two with the same
-/// `custom_id`. Lines that are not valid batch lines are kept: each gets its own error.
+/// request), refused whole when there are more than [`MAX_LINES`] or none. Lines that are not
+/// valid batch lines are kept: each gets its own error. Two lines with the same `custom_id`
+/// are refused by [`check_unique_ids`], which needs the configured bound on a line.
 pub fn split_lines(input: &[u8]) -> Result<Vec<InputLine<'_>>, FileError> {
     let mut lines = Vec::new();
     for (i, raw) in input.split(|&b| b == b'\n').enumerate() {
@@ -96,23 +97,18 @@ pub fn split_lines(input: &[u8]) -> Result<Vec<InputLine<'_>>, FileError> {
     if lines.is_empty() {
         return Err(FileError::Empty);
     }
-    check_unique_ids(&lines)?;
     Ok(lines)
 }
 
-/// Refuses two lines with the same `custom_id`, naming both: every line whose id
-/// [`parse_line`] would accept counts, read as it reads it (the last `custom_id` key of an
-/// object that repeats it). A line too long to run counts too: its id is read here, though
-/// its own error (`line_too_long`, from [`parse_line`], which reads no further) names none.
-/// Lines whose `custom_id` [`parse_line`] refuses (not JSON, not a string, too long) are left
-/// to their own errors.
-fn check_unique_ids(lines: &[InputLine<'_>]) -> Result<(), FileError> {
+/// Refuses two lines with the same `custom_id`, naming both. A line counts when its output
+/// line names its `custom_id` (see [`counted_id`]), so that no two output lines name the same
+/// one: a line refused for another field counts, and a line whose id [`parse_line`] does not
+/// read (not JSON, not a string, too long, or the whole line longer than `max_line_bytes`,
+/// which [`parse_line`] refuses unread as `line_too_long`) is left to its own error.
+pub fn check_unique_ids(lines: &[InputLine<'_>], max_line_bytes: usize) -> Result<(), FileError> {
     let mut seen: HashMap<String, usize> = HashMap::with_capacity(lines.len());
     for line in lines {
-        let Ok(IdOnly(id)) = serde_json::from_slice::<IdOnly>(line.bytes) else {
-            continue;
-        };
-        let Ok(custom_id) = custom_id(id) else {
+        let Some(custom_id) = counted_id(*line, max_line_bytes) else {
             continue;
         };
         if let Some(&first) = seen.get(&custom_id) {
@@ -125,6 +121,17 @@ fn check_unique_ids(lines: &[InputLine<'_>]) -> Result<(), FileError> {
         seen.insert(custom_id, line.number);
     }
     Ok(())
+}
+
+/// The `custom_id` that `line`'s output line names, which [`parse_line`] reads with the same
+/// `max_line_bytes`: the last `custom_id` key of an object that repeats it, a string of at
+/// most [`MAX_CUSTOM_ID_BYTES`]; none for a line longer than `max_line_bytes`.
+fn counted_id(line: InputLine<'_>, max_line_bytes: usize) -> Option<String> {
+    if line.bytes.len() > max_line_bytes {
+        return None;
+    }
+    let IdOnly(id) = serde_json::from_slice::<IdOnly>(line.bytes).ok()?;
+    custom_id(id).ok()
 }
 
 /// A line's `custom_id` value, the rest of the line skipped unparsed (so the duplicate check
@@ -647,28 +654,97 @@ mod tests {
     fn a_file_is_refused_whole_for_a_duplicate_id_naming_both_lines() {
         let input =
             b"{\"custom_id\":\"a\"}\nnot json\n{\"custom_id\":\"b\"}\n{\"custom_id\":\"a\"}\n";
+        let lines = split_lines(input).unwrap();
         assert_eq!(
-            split_lines(input),
+            check_unique_ids(&lines, 4096),
             Err(FileError::DuplicateCustomId {
                 custom_id: "a".into(),
                 first: 1,
                 second: 4,
             })
         );
-        let message = split_lines(input).unwrap_err().to_string();
+        let message = check_unique_ids(&lines, 4096).unwrap_err().to_string();
         assert!(message.contains("lines 1 and 4"), "{message}");
     }
 
-    /// The duplicate `custom_id` that `input`'s lines hold, if any, as `(id, first, second)`.
-    fn duplicate(input: &str) -> Option<(String, usize, usize)> {
-        match split_lines(input.as_bytes()) {
-            Ok(_) => None,
+    /// The duplicate `custom_id` that `input`'s lines hold, if any, as `(id, first, second)`,
+    /// lines being at most `max_line_bytes`.
+    fn duplicate_within(input: &str, max_line_bytes: usize) -> Option<(String, usize, usize)> {
+        match check_unique_ids(&split_lines(input.as_bytes()).unwrap(), max_line_bytes) {
+            Ok(()) => None,
             Err(FileError::DuplicateCustomId {
                 custom_id,
                 first,
                 second,
             }) => Some((custom_id, first, second)),
             Err(e) => panic!("{input}: {e}"),
+        }
+    }
+
+    /// [`duplicate_within`] lines of up to 4 KiB.
+    fn duplicate(input: &str) -> Option<(String, usize, usize)> {
+        duplicate_within(input, 4096)
+    }
+
+    /// Regression: a line too long to run counted in the duplicate check, though its output
+    /// line (`line_too_long`) names no `custom_id`.
+    #[test]
+    fn a_line_too_long_to_run_is_no_duplicate() {
+        let short = r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{}}"#;
+        let long = format!(
+            r#"{{"custom_id":"a","method":"POST","url":"/v1/completions","body":{{"prompt":"{}"}}}}"#,
+            "x".repeat(200)
+        );
+        let input = format!("{short}\n{long}");
+        // Within the bound, both lines run and name `a`: refused.
+        assert_eq!(
+            duplicate_within(&input, long.len()),
+            Some(("a".into(), 1, 2))
+        );
+        // Past it, the long line's error names no id, and the file runs.
+        let max = long.len() - 1;
+        assert_eq!(duplicate_within(&input, max), None);
+        let lines = split_lines(input.as_bytes()).unwrap();
+        let error = parse_line(lines[1], max).unwrap_err();
+        assert_eq!(error.code, "line_too_long");
+        assert_eq!(error.custom_id, None);
+        assert_eq!(parse_line(lines[0], max).unwrap().custom_id, "a");
+    }
+
+    /// What the duplicate check counts is exactly what the output lines name: the id of a line
+    /// [`parse_line`] runs or refuses with its id, none for a line refused without one.
+    #[test]
+    fn the_duplicate_check_counts_the_ids_the_output_lines_name() {
+        let long_id = "y".repeat(MAX_CUSTOM_ID_BYTES + 1);
+        let cases = [
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{}}"#.to_owned(),
+            r#"{"custom_id":"a","method":"GET","url":"/v1/completions","body":{}}"#.to_owned(),
+            r#"{"custom_id":"a","method":"POST","url":"/v1/moderations","body":{}}"#.to_owned(),
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":3}"#.to_owned(),
+            r#"{"custom_id":"a"}"#.to_owned(),
+            r#"{"custom_id":"x","custom_id":"b"}"#.to_owned(),
+            r#"{"custom\u005fid":"a"}"#.to_owned(),
+            r#"{"custom_id":1}"#.to_owned(),
+            r#"{"custom_id":null}"#.to_owned(),
+            r#"{"method":"POST"}"#.to_owned(),
+            r#"["custom_id","a"]"#.to_owned(),
+            r#"{"custom_id":"a","#.to_owned(),
+            format!(r#"{{"custom_id":"{long_id}"}}"#),
+            format!(
+                r#"{{"custom_id":"a","body":{{"prompt":"{}"}}}}"#,
+                "x".repeat(300)
+            ),
+        ];
+        for text in &cases {
+            let line = InputLine {
+                number: 1,
+                bytes: text.as_bytes(),
+            };
+            let named = match parse_line(line, 256) {
+                Ok(request) => Some(request.custom_id),
+                Err(e) => e.custom_id,
+            };
+            assert_eq!(counted_id(line, 256), named, "{text}");
         }
     }
 
