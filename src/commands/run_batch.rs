@@ -126,9 +126,11 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
         window,
         max_line_bytes,
     };
-    system.block_on(async move {
+    let mut released = None;
+    let slot = &mut released;
+    let ran = system.block_on(async move {
         let RunningEngine { adapter, .. } =
-            serve::start_engine(loaded, policy, &config, tiers).await?;
+            serve::start_engine(loaded, policy, &config, tiers, slot).await?;
         let mut state = ApiState::new(adapter, api_config, None);
         if let Some(store) = &journal {
             state = state.with_response_store(Arc::clone(store));
@@ -147,7 +149,9 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
             store.sync();
         }
         output.finish(summary)
-    })
+    });
+    serve::stop_engine(system, released);
+    ran
 }
 
 /// The store of responses a batch keeps its stored responses in: the journal of

@@ -23,9 +23,9 @@ use std::time::Duration;
 use anyhow::Context;
 use parking_lot::Mutex;
 use switchyard_actors::actors::{
-    AdapterInfo, BeamOptions, ChoiceDelta, Engine as ActorEngine, EngineConfig, EngineOutput,
-    LoraManagerConfig, OutputSink, PromptSource, RequestOptions, SubmitError, SubmitErrorKind,
-    TokenLogprobs,
+    AdapterInfo, BackendReleased, BeamOptions, ChoiceDelta, Engine as ActorEngine, EngineConfig,
+    EngineOutput, LoraManagerConfig, OutputSink, PromptSource, RequestOptions, SubmitError,
+    SubmitErrorKind, TokenLogprobs,
 };
 use switchyard_actors::structured::StructuredOutput;
 use switchyard_actors::token_filters::TokenFilters;
@@ -53,7 +53,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 
 use super::runtime;
-use super::stop_signals::{Interrupted, StopSignals};
+use super::stop_signals::{self, Interrupted, StopSignals};
 use crate::cli::ServeArgs;
 
 /// Deltas buffered per request before a slow client is cut off.
@@ -157,7 +157,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                     signal = stop.signal.name(),
                     "stopped while the model loaded: the server did not start"
                 );
-                return Ok(());
+                // Not by returning: the load runs on on its abandoned thread.
+                stop_signals::exit_now(0);
             }
             Err(e) => return Err(e),
         },
@@ -174,11 +175,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let drain = Duration::from_secs(config.server.drain_timeout_s);
     let config_path = args.config.clone();
     let overrides = args.overrides.clone();
-    system.block_on(async move {
+    let mut released = None;
+    let slot = &mut released;
+    let served = system.block_on(async move {
         let RunningEngine {
             adapter,
             file_adapters,
-        } = start_engine(loaded, policy, &config, tiers).await?;
+        } = start_engine(loaded, policy, &config, tiers, slot).await?;
         let drain_engine = adapter.engine.clone();
         let state = ApiState::new(adapter.clone(), api_config, prometheus)
             .with_response_store(Arc::clone(&responses));
@@ -216,9 +219,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         server.await?;
         // Background responses that ended during the drain are in the journal before exit.
         responses.sync();
-        tracing::info!("stopped");
         anyhow::Ok(())
-    })
+    });
+    stop_engine(system, released);
+    if served.is_ok() {
+        tracing::info!("stopped");
+    }
+    served
 }
 
 /// Refuses a `model.load_format` that names another format than the one at `path`: checked
@@ -524,6 +531,29 @@ pub(super) fn load_engine(
     })
 }
 
+/// How long a command waits, once its actix system is gone, for the executor's thread to drop
+/// the backend ([`stop_engine`]): a CUDA backend frees its memory, streams and context, well
+/// under a second on an H100; a step under way ends first.
+const BACKEND_RELEASE_WAIT: Duration = Duration::from_secs(30);
+
+/// Ends the engine [`start_engine`] started in `system`: drops the system (the engine's
+/// actors with it) and waits, at most [`BACKEND_RELEASE_WAIT`], for the executor's thread to
+/// drop the backend, so the process ends after it (a CUDA backend still alive on that thread
+/// while the exit handlers tear the CUDA libraries down ended `run-batch` with a SIGSEGV on an
+/// H100, gpu/CUDA_NOTES.md v65). `released` is what `start_engine` left: none if the engine
+/// never started (the backend then went with the load's values, on this thread).
+pub(super) fn stop_engine(system: actix_web::rt::SystemRunner, released: Option<BackendReleased>) {
+    drop(system);
+    if let Some(released) = released {
+        if !released.wait(BACKEND_RELEASE_WAIT) {
+            tracing::warn!(
+                wait_s = BACKEND_RELEASE_WAIT.as_secs(),
+                "the backend was not released in time; exiting regardless"
+            );
+        }
+    }
+}
+
 /// The engine [`start_engine`] started.
 pub(super) struct RunningEngine {
     /// The engine behind the HTTP layer's port.
@@ -534,12 +564,14 @@ pub(super) struct RunningEngine {
 
 /// Starts the engine `loaded` describes with `policy` (built from `config`'s
 /// `scheduler.policy` for `tiers`), registers `lora.adapters`, and wraps it for the HTTP
-/// layer. Runs inside the actix system.
+/// layer. Runs inside the actix system. `released` gets the engine's [`BackendReleased`] as
+/// soon as it runs (a later step may fail), for [`stop_engine`].
 pub(super) async fn start_engine(
     loaded: LoadedEngine,
     policy: Box<dyn Policy>,
     config: &Config,
     tiers: Vec<TierSpec>,
+    released: &mut Option<BackendReleased>,
 ) -> anyhow::Result<RunningEngine> {
     let LoadedEngine {
         engine_config,
@@ -561,6 +593,7 @@ pub(super) async fn start_engine(
             .collect(),
     };
     let engine = ActorEngine::start(engine_config, backend, tokenizer.clone(), template, policy)?;
+    *released = Some(engine.backend_released());
     let mut file_adapters = Vec::new();
     for a in &config.lora.adapters {
         let path = switchyard_config::expand_home(&a.path);

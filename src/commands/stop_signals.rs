@@ -108,8 +108,23 @@ pub fn exit_status(err: &anyhow::Error) -> std::process::ExitCode {
         libc::signal(number, libc::SIG_DFL);
         libc::raise(number);
     }
-    // 130 or 143: both fit in the byte an exit status is.
-    std::process::ExitCode::from(128 + number as u8)
+    // 130 or 143. Not by returning: the load may still run on its abandoned thread (see
+    // `exit_now`).
+    exit_now(128 + number)
+}
+
+/// Ends the process at once with `status`, running no exit handlers, after flushing standard
+/// output and error. For a command whose model load a signal abandoned
+/// ([`StopSignals::interruptible`]): the load goes on on its thread, possibly inside the CUDA
+/// libraries, whose exit handlers would tear them down under it (on an H100 a `serve` stopped
+/// early in a CUDA load ended in glibc's "malloc_consolidate(): unaligned fastbin chunk
+/// detected" abort that way; gpu/CUDA_NOTES.md v65). The kernel closes the files the process
+/// holds and releases their locks; the GPU driver frees its memory.
+pub(super) fn exit_now(status: i32) -> ! {
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    let _ = std::io::Write::flush(&mut std::io::stderr());
+    // SAFETY: `_exit` takes any status and ends the process; nothing of Rust's runs after it.
+    unsafe { libc::_exit(status) }
 }
 
 /// Whether `signal` is ignored, as the process inherited it where nothing has installed a
