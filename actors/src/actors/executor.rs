@@ -393,24 +393,42 @@ mod tests {
         }
     }
 
-    /// A backend that sets `dropped` when dropped, after `delay` (a CUDA backend's drop
-    /// frees memory and destroys streams and the context: not instant).
-    struct SlowDrop {
+    /// A backend whose drop takes `delay` (a CUDA backend's frees memory and destroys streams
+    /// and the context: not instant), then sets `dropped`, or panics when `panics`.
+    struct DropProbe {
         inner: PanicsOnce,
         delay: std::time::Duration,
         dropped: Arc<AtomicBool>,
+        panics: bool,
     }
 
-    impl Drop for SlowDrop {
+    impl DropProbe {
+        fn new(delay_ms: u64, panics: bool) -> (Self, Arc<AtomicBool>) {
+            let dropped = Arc::new(AtomicBool::new(false));
+            let probe = Self {
+                inner: PanicsOnce {
+                    panicked: true,
+                    recovers: true,
+                },
+                delay: std::time::Duration::from_millis(delay_ms),
+                dropped: dropped.clone(),
+                panics,
+            };
+            (probe, dropped)
+        }
+    }
+
+    impl Drop for DropProbe {
         fn drop(&mut self) {
             std::thread::sleep(self.delay);
+            assert!(!self.panics, "the backend's drop failed");
             self.dropped.store(true, Ordering::SeqCst);
         }
     }
 
-    impl Backend for SlowDrop {
+    impl Backend for DropProbe {
         fn name(&self) -> &str {
-            "slow-drop"
+            "drop-probe"
         }
         fn num_kv_blocks(&self) -> usize {
             self.inner.num_kv_blocks()
@@ -432,22 +450,15 @@ mod tests {
     /// ended, and waiting on it is what lets a command outlive that drop.
     #[test]
     fn backend_released_is_set_after_the_backend_is_dropped() {
-        let dropped = Arc::new(AtomicBool::new(false));
+        let (probe, dropped) = DropProbe::new(300, false);
+        let probe = parking_lot::Mutex::new(Some(probe));
         let released = BackendReleased::default();
         let system = actix::System::new();
-        let backend_dropped = dropped.clone();
         let notice = released.clone();
         system.block_on(async move {
             let executor = SyncArbiter::start(1, move || {
-                ExecutorActor::new(Some(Box::new(SlowDrop {
-                    inner: PanicsOnce {
-                        panicked: true,
-                        recovers: true,
-                    },
-                    delay: std::time::Duration::from_millis(300),
-                    dropped: backend_dropped.clone(),
-                })))
-                .releasing(notice.clone())
+                let backend = probe.lock().take().expect("one executor thread");
+                ExecutorActor::new(Some(Box::new(backend))).releasing(notice.clone())
             });
             let r = executor
                 .send(Execute {
@@ -477,38 +488,12 @@ mod tests {
     /// nothing is left to wait for).
     #[test]
     fn backend_released_is_set_when_the_drop_panics() {
-        struct PanicsInDrop(PanicsOnce);
-        impl Drop for PanicsInDrop {
-            fn drop(&mut self) {
-                panic!("the backend's drop failed");
-            }
-        }
-        impl Backend for PanicsInDrop {
-            fn name(&self) -> &str {
-                "panics-in-drop"
-            }
-            fn num_kv_blocks(&self) -> usize {
-                8
-            }
-            fn block_size(&self) -> usize {
-                4
-            }
-            fn max_batch_tokens(&self) -> usize {
-                64
-            }
-            fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
-                self.0.execute(batch)
-            }
-            fn release(&mut self, _: u64) {}
-        }
+        let (probe, dropped) = DropProbe::new(0, true);
         let released = BackendReleased::default();
-        let actor = ExecutorActor::new(Some(Box::new(PanicsInDrop(PanicsOnce {
-            panicked: true,
-            recovers: true,
-        }))))
-        .releasing(released.clone());
-        let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(actor)));
-        assert!(dropped.is_err(), "the drop's panic comes through");
+        let actor = ExecutorActor::new(Some(Box::new(probe))).releasing(released.clone());
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(actor)));
+        assert!(outcome.is_err(), "the drop's panic comes through");
+        assert!(!dropped.load(Ordering::SeqCst));
         assert!(released.is_released());
     }
 
