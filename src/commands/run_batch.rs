@@ -126,32 +126,30 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
         window,
         max_line_bytes,
     };
-    let mut released = None;
-    let slot = &mut released;
-    let ran = system.block_on(async move {
-        let RunningEngine { adapter, .. } =
-            serve::start_engine(loaded, policy, &config, tiers, slot).await?;
-        let mut state = ApiState::new(adapter, api_config, None);
-        if let Some(store) = &journal {
-            state = state.with_response_store(Arc::clone(store));
-        }
-        let app = actix_web::App::new()
-            .configure(|cfg| switchyard_api::configure(cfg, state.clone()))
-            .into_factory();
-        let service = app
-            .new_service(actix_web::dev::AppConfig::default())
-            .await
-            .map_err(|()| anyhow::anyhow!("the HTTP layer's routes could not be built"))?;
-        let writer = output.open()?;
-        let summary = run_lines(Rc::new(service), &requests, limits, writer, stops).await;
-        if let Some(store) = &journal {
-            // The responses the lines stored are in the journal before the process ends.
-            store.sync();
-        }
-        output.finish(summary)
-    });
-    serve::stop_engine(system, released);
-    ran
+    serve::run_engine(system, |system, slot| {
+        system.block_on(async move {
+            let RunningEngine { adapter, .. } =
+                serve::start_engine(loaded, policy, &config, tiers, slot).await?;
+            let mut state = ApiState::new(adapter, api_config, None);
+            if let Some(store) = &journal {
+                state = state.with_response_store(Arc::clone(store));
+            }
+            let app = actix_web::App::new()
+                .configure(|cfg| switchyard_api::configure(cfg, state.clone()))
+                .into_factory();
+            let service = app
+                .new_service(actix_web::dev::AppConfig::default())
+                .await
+                .map_err(|()| anyhow::anyhow!("the HTTP layer's routes could not be built"))?;
+            let writer = output.open()?;
+            let summary = run_lines(Rc::new(service), &requests, limits, writer, stops).await;
+            if let Some(store) = &journal {
+                // The responses the lines stored are in the journal before the process ends.
+                store.sync();
+            }
+            output.finish(summary)
+        })
+    })
 }
 
 /// The store of responses a batch keeps its stored responses in: the journal of

@@ -175,53 +175,56 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let drain = Duration::from_secs(config.server.drain_timeout_s);
     let config_path = args.config.clone();
     let overrides = args.overrides.clone();
-    let mut released = None;
-    let slot = &mut released;
-    let served = system.block_on(async move {
-        let RunningEngine {
-            adapter,
-            file_adapters,
-        } = start_engine(loaded, policy, &config, tiers, slot).await?;
-        let drain_engine = adapter.engine.clone();
-        let state = ApiState::new(adapter.clone(), api_config, prometheus)
-            .with_response_store(Arc::clone(&responses));
-        // With TLS, new connections get the certificate the resolver holds: SIGHUP replaces it.
-        let tls = certificate.map(|key| Arc::new(CertificateResolver::new(key)));
-        let (server, addrs) =
-            switchyard_api::build_server_on(state.clone(), &options, vec![listener], tls.clone())?;
-        let handle = server.handle();
-        let scheme = if tls.is_some() { "https" } else { "http" };
-        for addr in &addrs {
-            tracing::info!(url = %format!("{scheme}://{addr}"), "serving");
-        }
-        let reloader = reload::Reloader::new(
-            adapter,
-            reload::Started {
-                api: state.clone(),
-                open: api_is_open,
-                path: config_path,
-                overrides,
-                config,
+    let served = run_engine(system, |system, slot| {
+        system.block_on(async move {
+            let RunningEngine {
+                adapter,
                 file_adapters,
-                tls,
-            },
-        );
-        // Signals: SIGTERM/SIGINT drain then stop (a second one ends the drain); SIGHUP
-        // re-reads the policy section and the adapters (one reload at a time, in the
-        // background).
-        let shutdown = shutdown::Shutdown {
-            state,
-            engine: drain_engine,
-            handle,
-            drain,
-        };
-        actix_web::rt::spawn(shutdown::handle_signals(hangup, stops, reloader, shutdown));
-        server.await?;
-        // Background responses that ended during the drain are in the journal before exit.
-        responses.sync();
-        anyhow::Ok(())
+            } = start_engine(loaded, policy, &config, tiers, slot).await?;
+            let drain_engine = adapter.engine.clone();
+            let state = ApiState::new(adapter.clone(), api_config, prometheus)
+                .with_response_store(Arc::clone(&responses));
+            // With TLS, new connections get the certificate the resolver holds: SIGHUP replaces it.
+            let tls = certificate.map(|key| Arc::new(CertificateResolver::new(key)));
+            let (server, addrs) = switchyard_api::build_server_on(
+                state.clone(),
+                &options,
+                vec![listener],
+                tls.clone(),
+            )?;
+            let handle = server.handle();
+            let scheme = if tls.is_some() { "https" } else { "http" };
+            for addr in &addrs {
+                tracing::info!(url = %format!("{scheme}://{addr}"), "serving");
+            }
+            let reloader = reload::Reloader::new(
+                adapter,
+                reload::Started {
+                    api: state.clone(),
+                    open: api_is_open,
+                    path: config_path,
+                    overrides,
+                    config,
+                    file_adapters,
+                    tls,
+                },
+            );
+            // Signals: SIGTERM/SIGINT drain then stop (a second one ends the drain); SIGHUP
+            // re-reads the policy section and the adapters (one reload at a time, in the
+            // background).
+            let shutdown = shutdown::Shutdown {
+                state,
+                engine: drain_engine,
+                handle,
+                drain,
+            };
+            actix_web::rt::spawn(shutdown::handle_signals(hangup, stops, reloader, shutdown));
+            server.await?;
+            // Background responses that ended during the drain are in the journal before exit.
+            responses.sync();
+            anyhow::Ok(())
+        })
     });
-    stop_engine(system, released);
     if served.is_ok() {
         tracing::info!("stopped");
     }
@@ -536,13 +539,32 @@ pub(super) fn load_engine(
 /// under a second on an H100; a step under way ends first.
 const BACKEND_RELEASE_WAIT: Duration = Duration::from_secs(30);
 
+/// Runs `run` (the engine's life: [`start_engine`] in `system`, then the work) and ends the
+/// engine with [`stop_engine`], given the [`BackendReleased`] that `run` left in its second
+/// argument. A panic out of `run` goes on only after that, so that no path ends the process
+/// with the backend alive on the executor's thread (the panic's message is printed as it
+/// happens; the exit handlers run once it reaches `main`).
+pub(super) fn run_engine<T>(
+    system: actix_web::rt::SystemRunner,
+    run: impl FnOnce(&actix_web::rt::SystemRunner, &mut Option<BackendReleased>) -> T,
+) -> T {
+    let mut released = None;
+    let ran =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&system, &mut released)));
+    stop_engine(system, released);
+    match ran {
+        Ok(value) => value,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
 /// Ends the engine [`start_engine`] started in `system`: drops the system (the engine's
 /// actors with it) and waits, at most [`BACKEND_RELEASE_WAIT`], for the executor's thread to
 /// drop the backend, so the process ends after it (a CUDA backend still alive on that thread
 /// while the exit handlers tear the CUDA libraries down ended `run-batch` with a SIGSEGV on an
 /// H100, gpu/CUDA_NOTES.md v65). `released` is what `start_engine` left: none if the engine
 /// never started (the backend then went with the load's values, on this thread).
-pub(super) fn stop_engine(system: actix_web::rt::SystemRunner, released: Option<BackendReleased>) {
+fn stop_engine(system: actix_web::rt::SystemRunner, released: Option<BackendReleased>) {
     drop(system);
     if let Some(released) = released {
         if !released.wait(BACKEND_RELEASE_WAIT) {
@@ -1450,6 +1472,101 @@ mod tests {
             .map(|(t, tier)| (t.as_str(), tier.as_str()))
             .collect();
         assert_eq!(pairs, [("acme", ""), ("acme", "gold"), ("bob", "")]);
+    }
+
+    /// A backend that takes 300 ms to drop (a CUDA backend frees its memory, streams and
+    /// context), then sets `dropped`; it never runs a step.
+    struct SlowDrop {
+        dropped: Arc<AtomicBool>,
+    }
+
+    impl Drop for SlowDrop {
+        fn drop(&mut self) {
+            std::thread::sleep(Duration::from_millis(300));
+            self.dropped.store(true, Ordering::SeqCst);
+        }
+    }
+
+    impl switchyard_gpu::backend::Backend for SlowDrop {
+        fn name(&self) -> &str {
+            "slow-drop"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            64
+        }
+        fn block_size(&self) -> usize {
+            4
+        }
+        fn max_batch_tokens(&self) -> usize {
+            64
+        }
+        fn execute(
+            &mut self,
+            _: &switchyard_gpu::backend::Batch,
+        ) -> Result<Vec<switchyard_gpu::backend::SeqOutput>, switchyard_gpu::GpuError> {
+            Err(switchyard_gpu::GpuError::Internal(
+                "no step runs here".into(),
+            ))
+        }
+        fn release(&mut self, _: u64) {}
+    }
+
+    /// Regression: a panic out of the engine's run (serve's or run-batch's `block_on`)
+    /// unwound past `stop_engine`, so the process ended with the backend still alive on the
+    /// executor's thread (what gpu/CUDA_NOTES.md v65 saw crash at exit). It goes on only once
+    /// the backend is dropped.
+    #[test]
+    fn a_panic_in_the_engines_run_goes_on_once_the_backend_is_released() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let backend = Box::new(SlowDrop {
+            dropped: dropped.clone(),
+        });
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
+            "model":{"type":"WordLevel","vocab":{"a":0,"b":1},"unk_token":"a"}}"#;
+        let tokenizer = Arc::new(Tokenizer::from_json_bytes(json.as_bytes()).unwrap());
+        let config = EngineConfig {
+            scheduler: SchedulerConfig {
+                num_gpu_blocks: 64,
+                block_size: 4,
+                max_model_len: 256,
+                ..SchedulerConfig::default()
+            },
+            hash_key: [1, 2],
+            tokenizer_threads: 1,
+            max_pending_requests: 16,
+            tier_max_pending: Vec::new(),
+            tier_max_pending_per_tenant: Vec::new(),
+            metrics_tenants: Default::default(),
+            async_scheduling: switchyard_actors::AsyncScheduling::Off,
+            lora: None,
+            vocab_size: 2,
+            prefix_sharing_by_tenant: true,
+            message_tokens_as_text: true,
+        };
+        let policy = PolicyRegistry::with_builtins()
+            .create("fcfs", &serde_yaml::Value::Null, &[])
+            .unwrap();
+        let system = actix_web::rt::System::new();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_engine(system, |system, released| {
+                system.block_on(async {
+                    let engine =
+                        ActorEngine::start(config, backend, tokenizer, None, policy).unwrap();
+                    *released = Some(engine.backend_released());
+                    panic!("a bug in the engine's run");
+                })
+            })
+        }));
+        let payload = panicked.expect_err("the panic comes through");
+        assert_eq!(
+            payload.downcast_ref::<&str>(),
+            Some(&"a bug in the engine's run")
+        );
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "the panic came out before the executor's thread dropped the backend"
+        );
     }
 
     #[test]

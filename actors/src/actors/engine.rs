@@ -419,6 +419,14 @@ impl Engine {
         };
         let async_scheduling = config.async_scheduling.enabled_for(backend.as_ref());
         tracing::info!(async_scheduling, "engine steps");
+        // The last step that can fail: once the executor's thread holds the backend, an error
+        // returned here would leave it to drop the backend unwatched (no `BackendReleased`
+        // reaches the caller), possibly as the process ends.
+        let pool = core.detach_allocator().ok_or_else(|| {
+            EngineError::Scheduler(switchyard_policies::SchedulerError::Invariant(
+                "the block pool is already detached".into(),
+            ))
+        })?;
         let slot = parking_slot(backend);
         let backend_alive = Arc::new(AtomicBool::new(true));
         let alive = backend_alive.clone();
@@ -474,11 +482,6 @@ impl Engine {
         let detokenizer = DetokenizerActor::start_in_arbiter(&detok_thread.handle(), move |_| {
             DetokenizerActor::new(tokenizer)
         });
-        let pool = core.detach_allocator().ok_or_else(|| {
-            EngineError::Scheduler(switchyard_policies::SchedulerError::Invariant(
-                "the block pool is already detached".into(),
-            ))
-        })?;
         // The allocator shares the scheduler's thread: a commit is a mailbox hop, not a
         // thread hand-off, and only scheduler messages reach it.
         let allocator = KvAllocatorActor::new(pool).start();
