@@ -241,6 +241,12 @@ mod tests {
     /// One test, so that no other test of this binary waits on these signals meanwhile.
     #[test]
     fn a_signal_during_the_work_ends_the_wait_and_a_later_one_is_kept_for_the_loop() {
+        // The test run may have inherited SIGINT ignored (started in the background of a
+        // script), which `install` would keep: this test is about a SIGINT that comes.
+        // SAFETY: a plain system call; no other test of this binary handles SIGINT.
+        unsafe {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+        }
         let system = actix_web::rt::System::new();
         let mut stops = StopSignals::install(&system).unwrap();
         // Work that runs until it is let go: the signal surely comes while it runs.

@@ -602,9 +602,24 @@ pub fn choice_texts(v: &serde_json::Value) -> Vec<String> {
         .collect()
 }
 
-/// The `switchyard` binary, as a command to add arguments to.
+/// The `switchyard` binary, as a command to add arguments to. It starts with SIGINT's default
+/// disposition whatever the tests' own is: a test run started in the background of a script
+/// (CI's, say) has SIGINT ignored, which the binary would inherit and keep (it leaves an
+/// inherited ignored SIGINT alone), and the tests that stop it with SIGINT would wait forever.
+/// [`ignoring_sigint`] adds the opposite on top.
 pub fn switchyard() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_switchyard"))
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_switchyard"));
+    // SAFETY: `signal` is async-signal-safe, and the closure touches nothing else.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::signal(libc::SIGINT, libc::SIG_DFL) == libc::SIG_ERR {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd
 }
 
 /// `switchyard serve --config {config}`, its stdout dropped and its stderr (at `RUST_LOG=info`)
@@ -656,7 +671,8 @@ pub fn fails_within(cmd: &mut Command, limit: Duration, what: &str) -> String {
 }
 
 /// Makes `cmd` start its process with SIGINT ignored, as a POSIX shell starts a
-/// non-interactive shell's background job (`switchyard run-batch ... &` in a script).
+/// non-interactive shell's background job (`switchyard run-batch ... &` in a script). Run
+/// after [`switchyard`]'s reset to the default (`pre_exec` closures run in order).
 pub fn ignoring_sigint(cmd: &mut Command) -> &mut Command {
     use std::os::unix::process::CommandExt;
     // SAFETY: `signal` is async-signal-safe, and the closure touches nothing else.
