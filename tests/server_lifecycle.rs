@@ -397,22 +397,7 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
 /// then); the small model's load may end before it arrives, and then the server drains.
 #[test]
 fn a_stop_as_the_model_loads_exits_zero() {
-    let dir = common::temp_dir("server", "stop-loading");
-    let config = dir.join("config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: 0\n",
-            common::model_path().display()
-        ),
-    )
-    .unwrap();
-    let child = common::serve(&config, &dir).spawn().expect("start serve");
-    let mut s = Server {
-        port: 0,
-        child,
-        dir: dir.keep(),
-    };
+    let mut s = Server::spawn("stop-loading", |_| {});
     let deadline = Instant::now() + Duration::from_secs(120);
     while !s.log().contains("loading model") {
         if let Some(status) = s.child.try_wait().expect("wait") {
@@ -435,25 +420,9 @@ fn a_stop_as_the_model_loads_exits_zero() {
 /// took SIGINT over and drained on it. It is left ignored, and SIGTERM drains and exits 0.
 #[test]
 fn a_sigint_inherited_ignored_stays_ignored_and_sigterm_still_drains() {
-    let dir = common::temp_dir("server", "sigint-ignored");
-    let config = dir.join("config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "model:\n  path: {}\n  threads: 2\nserver:\n  host: 127.0.0.1\n  port: 0\n",
-            common::model_path().display()
-        ),
-    )
-    .unwrap();
-    let mut cmd = common::serve(&config, &dir);
-    let child = common::ignoring_sigint(&mut cmd)
-        .spawn()
-        .expect("start serve");
-    let mut s = Server {
-        port: 0,
-        child,
-        dir: dir.keep(),
-    };
+    let mut s = Server::spawn("sigint-ignored", |cmd| {
+        common::ignoring_sigint(cmd);
+    });
     s.wait_ready();
     let pid = s.child.id();
     assert!(common::signal_listed(pid, "SigIgn", libc::SIGINT));

@@ -164,6 +164,29 @@ impl Server {
         server_lines: &str,
         extra_yaml: &str,
     ) -> Server {
+        let mut server =
+            Self::spawn_model(name, model, model_lines, server_lines, extra_yaml, |_| {});
+        server.wait_ready();
+        server
+    }
+
+    /// Like [`Server::start`] with the base config alone, not waited for: `with` adjusts the
+    /// command first (such as [`ignoring_sigint`]), and the caller waits as it needs
+    /// ([`Server::wait_ready`], or a log line of the load).
+    pub fn spawn(name: &str, with: impl FnOnce(&mut Command)) -> Server {
+        Self::spawn_model(name, &model_path(), "", "", "", with)
+    }
+
+    /// [`Server::start_model`]'s config and process, `with` applied to the command, not
+    /// waited for.
+    fn spawn_model(
+        name: &str,
+        model: &std::path::Path,
+        model_lines: &str,
+        server_lines: &str,
+        extra_yaml: &str,
+        with: impl FnOnce(&mut Command),
+    ) -> Server {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir =
@@ -183,16 +206,14 @@ impl Server {
             model.display()
         );
         std::fs::write(&config, yaml).expect("write config");
-        let child = serve(&config, &dir)
-            .spawn()
-            .expect("start switchyard serve");
-        let mut server = Server {
+        let mut cmd = serve(&config, &dir);
+        with(&mut cmd);
+        let child = cmd.spawn().expect("start switchyard serve");
+        Server {
             port: 0,
             child,
             dir,
-        };
-        server.wait_ready();
-        server
+        }
     }
 
     /// Waits (up to 120 s) until `/ready` answers 200 over plain HTTP; fails at once, with the
