@@ -539,6 +539,9 @@ pub(super) fn load_engine(
 /// under a second on an H100; a step under way ends first.
 const BACKEND_RELEASE_WAIT: Duration = Duration::from_secs(30);
 
+/// How long [`stop_engine`] waits for the backend before it says that it waits.
+const BACKEND_RELEASE_NOTICE: Duration = Duration::from_secs(2);
+
 /// Runs `run` (the engine's life: [`start_engine`] in `system`, then the work) and ends the
 /// engine with [`stop_engine`], given the [`BackendReleased`] that `run` left in its second
 /// argument. A panic out of `run` goes on only after that, so that no path ends the process
@@ -564,15 +567,33 @@ pub(super) fn run_engine<T>(
 /// while the exit handlers tear the CUDA libraries down ended `run-batch` with a SIGSEGV on an
 /// H100, gpu/CUDA_NOTES.md v65). `released` is what `start_engine` left: none if the engine
 /// never started (the backend then went with the load's values, on this thread).
+///
+/// The command's work is over by then, and its signal listeners are gone with the system: a
+/// SIGINT or SIGTERM during the wait ends the process at once, by that signal
+/// ([`stop_signals::end_at_next_stop`]), so a step stuck on the GPU does not hold it for the
+/// whole wait, and a wait that lasts past [`BACKEND_RELEASE_NOTICE`] says so.
 fn stop_engine(system: actix_web::rt::SystemRunner, released: Option<BackendReleased>) {
     drop(system);
-    if let Some(released) = released {
-        if !released.wait(BACKEND_RELEASE_WAIT) {
-            tracing::warn!(
-                wait_s = BACKEND_RELEASE_WAIT.as_secs(),
-                "the backend was not released in time; exiting regardless"
-            );
-        }
+    let Some(released) = released else {
+        return;
+    };
+    if released.is_released() {
+        return;
+    }
+    stop_signals::end_at_next_stop();
+    if released.wait(BACKEND_RELEASE_NOTICE) {
+        return;
+    }
+    tracing::info!(
+        wait_s = BACKEND_RELEASE_WAIT.as_secs(),
+        "waiting for the backend to be released (a step under way ends first); SIGINT or \
+         SIGTERM ends the process now"
+    );
+    if !released.wait(BACKEND_RELEASE_WAIT.saturating_sub(BACKEND_RELEASE_NOTICE)) {
+        tracing::warn!(
+            wait_s = BACKEND_RELEASE_WAIT.as_secs(),
+            "the backend was not released in time; exiting regardless"
+        );
     }
 }
 
@@ -1474,15 +1495,17 @@ mod tests {
         assert_eq!(pairs, [("acme", ""), ("acme", "gold"), ("bob", "")]);
     }
 
-    /// A backend that takes 300 ms to drop (a CUDA backend frees its memory, streams and
-    /// context), then sets `dropped`; it never runs a step.
+    /// A backend that takes `takes` to drop (a CUDA backend frees its memory, streams and
+    /// context; a step stuck on the GPU holds it longer), then sets `dropped`; it never runs a
+    /// step.
     struct SlowDrop {
         dropped: Arc<AtomicBool>,
+        takes: Duration,
     }
 
     impl Drop for SlowDrop {
         fn drop(&mut self) {
-            std::thread::sleep(Duration::from_millis(300));
+            std::thread::sleep(self.takes);
             self.dropped.store(true, Ordering::SeqCst);
         }
     }
@@ -1515,12 +1538,9 @@ mod tests {
     /// unwound past `stop_engine`, so the process ended with the backend still alive on the
     /// executor's thread (what gpu/CUDA_NOTES.md v65 saw crash at exit). It goes on only once
     /// the backend is dropped.
-    #[test]
-    fn a_panic_in_the_engines_run_goes_on_once_the_backend_is_released() {
-        let dropped = Arc::new(AtomicBool::new(false));
-        let backend = Box::new(SlowDrop {
-            dropped: dropped.clone(),
-        });
+    /// An engine on `backend` with a one-word tokenizer and `fcfs`, started in the current
+    /// actix system.
+    fn start_test_engine(backend: Box<dyn switchyard_gpu::backend::Backend>) -> ActorEngine {
         let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
             "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
             "model":{"type":"WordLevel","vocab":{"a":0,"b":1},"unk_token":"a"}}"#;
@@ -1547,12 +1567,88 @@ mod tests {
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])
             .unwrap();
+        ActorEngine::start(config, backend, tokenizer, None, policy).unwrap()
+    }
+
+    /// The test `name` of this binary, run alone in a child process told so by
+    /// [`IN_CHILD`] (a test whose engine ends without its backend released installs
+    /// process-wide signal handlers, see `stop_engine`, which the other tests' signals must
+    /// not meet); `signal` is sent to the child every 100 ms from the time it writes
+    /// [`CHILD_READY`] on standard error until it ends, if given. The child's status and
+    /// standard error.
+    fn run_in_child(name: &str, signal: Option<&str>) -> (std::process::ExitStatus, String) {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                &format!("commands::serve::tests::{name}"),
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(IN_CHILD, name)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let reader = {
+            let stderr = Arc::clone(&stderr);
+            let mut pipe = std::io::BufReader::new(child.stderr.take().unwrap());
+            std::thread::spawn(move || {
+                let mut line = String::new();
+                while std::io::BufRead::read_line(&mut pipe, &mut line).unwrap_or(0) > 0 {
+                    stderr.lock().push_str(&line);
+                    line.clear();
+                }
+            })
+        };
+        let pid = child.id().to_string();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if let Some(signal) = signal {
+                if stderr.lock().contains(CHILD_READY) {
+                    let _ = std::process::Command::new("kill")
+                        .args([signal, &pid])
+                        .status();
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        reader.join().unwrap();
+        let stderr = stderr.lock().clone();
+        (status, stderr)
+    }
+
+    /// What a child of [`run_in_child`] writes on standard error once signals may come.
+    const CHILD_READY: &str = "child ready for signals";
+
+    /// Names the test a child process of [`run_in_child`] runs.
+    const IN_CHILD: &str = "SWITCHYARD_TEST_IN_CHILD";
+
+    /// Whether this process is the child that runs test `name`.
+    fn is_child_for(name: &str) -> bool {
+        std::env::var_os(IN_CHILD).is_some_and(|v| v == name)
+    }
+
+    #[test]
+    fn a_panic_in_the_engines_run_goes_on_once_the_backend_is_released() {
+        const NAME: &str = "a_panic_in_the_engines_run_goes_on_once_the_backend_is_released";
+        if !is_child_for(NAME) {
+            let (status, stderr) = run_in_child(NAME, None);
+            assert!(status.success(), "{status:?}: {stderr}");
+            return;
+        }
+        let dropped = Arc::new(AtomicBool::new(false));
+        let backend = Box::new(SlowDrop {
+            dropped: dropped.clone(),
+            takes: Duration::from_millis(300),
+        });
         let system = actix_web::rt::System::new();
         let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             run_engine(system, |system, released| {
                 system.block_on(async {
-                    let engine =
-                        ActorEngine::start(config, backend, tokenizer, None, policy).unwrap();
+                    let engine = start_test_engine(backend);
                     *released = Some(engine.backend_released());
                     panic!("a bug in the engine's run");
                 })
@@ -1567,6 +1663,46 @@ mod tests {
             dropped.load(Ordering::SeqCst),
             "the panic came out before the executor's thread dropped the backend"
         );
+    }
+
+    /// A stop signal while the command waits for a backend that is not released (a step stuck
+    /// on the GPU) ends the process at once, by that signal, where the command's own
+    /// listeners, gone with the runtime, swallowed it (the wait ran its 30 s). The child
+    /// starts an engine whose backend takes a minute to drop, with the stop signals'
+    /// listeners installed as `serve` and `run-batch` have them, and ends it; the parent
+    /// sends SIGTERM until the child is gone (those sent before the wait began are
+    /// swallowed, as they were everywhere).
+    #[test]
+    fn a_stop_signal_during_the_wait_for_the_backend_ends_the_process_at_once() {
+        use std::os::unix::process::ExitStatusExt;
+        const NAME: &str = "a_stop_signal_during_the_wait_for_the_backend_ends_the_process_at_once";
+        if !is_child_for(NAME) {
+            let (status, stderr) = run_in_child(NAME, Some("-TERM"));
+            assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}: {stderr}");
+            assert!(
+                stderr.contains(
+                    "switchyard: SIGTERM: ending now, without waiting for the backend to be \
+                     released"
+                ),
+                "{stderr}"
+            );
+            assert!(!stderr.contains("without the signals"), "{stderr}");
+            return;
+        }
+        let system = actix_web::rt::System::new();
+        let _stops = StopSignals::install(&system).unwrap();
+        eprintln!("{CHILD_READY}");
+        let backend = Box::new(SlowDrop {
+            dropped: Arc::new(AtomicBool::new(false)),
+            takes: Duration::from_secs(60),
+        });
+        run_engine(system, |system, released| {
+            system.block_on(async {
+                *released = Some(start_test_engine(backend).backend_released());
+            })
+        });
+        // Reached only once the wait gave up (30 s): the signals did not end it.
+        eprintln!("the wait ended without the signals");
     }
 
     #[test]

@@ -127,6 +127,49 @@ pub(super) fn exit_now(status: i32) -> ! {
     unsafe { libc::_exit(status) }
 }
 
+/// From here on a SIGINT or SIGTERM ends the process at once, by that signal, after one line
+/// on standard error: for the last wait of a command whose work is over (the backend's
+/// release, [`super::serve`]'s `stop_engine`), which a step stuck on the GPU could make last,
+/// and where the command's own listeners are gone with its runtime (a signal reaching them
+/// would be swallowed). Ending by the default action runs no exit handlers (the CUDA
+/// libraries' among them), so it is safe with the backend still alive. A SIGINT still ignored
+/// (inherited so, see the module's docs) stays ignored.
+pub(super) fn end_at_next_stop() {
+    for signal in [libc::SIGINT, libc::SIGTERM] {
+        if signal == libc::SIGINT && inherited_ignored(signal) {
+            continue;
+        }
+        // SAFETY: a zeroed `sigaction` is a valid value of that plain C struct; the handler is
+        // an `extern "C"` function that calls only async-signal-safe functions (`write`,
+        // `signal`, `raise`), and `sigaction` replaces the disposition of a valid signal
+        // number (tokio's handler, whose listeners are gone with the runtime).
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = end_now as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(signal, &action, std::ptr::null_mut());
+        }
+    }
+}
+
+/// The handler [`end_at_next_stop`] installs: says so, then ends the process by `signal`
+/// (blocked while this handler runs, so the raised one is delivered, under the default
+/// action, as it returns).
+extern "C" fn end_now(signal: libc::c_int) {
+    let message: &[u8] = if signal == libc::SIGINT {
+        b"switchyard: SIGINT: ending now, without waiting for the backend to be released\n"
+    } else {
+        b"switchyard: SIGTERM: ending now, without waiting for the backend to be released\n"
+    };
+    // SAFETY: `write` of a static buffer to standard error, `signal` with the default
+    // disposition and `raise` are async-signal-safe and touch no memory of the process.
+    unsafe {
+        libc::write(2, message.as_ptr().cast(), message.len());
+        libc::signal(signal, libc::SIG_DFL);
+        libc::raise(signal);
+    }
+}
+
 /// Whether `signal` is ignored, as the process inherited it where nothing has installed a
 /// handler for it yet (see the module's docs).
 fn inherited_ignored(signal: libc::c_int) -> bool {
