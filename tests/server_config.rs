@@ -1199,3 +1199,61 @@ fn sighup_rotates_api_keys_and_applies_a_tiers_new_settings() {
         acme_done + 1.0
     );
 }
+
+/// With `server.cors` naming only its origins, a browser's preflight from one of them for the
+/// headers the OpenAI SDKs send (the Node SDK 7's `x-stainless-*` set, run in a browser with
+/// `dangerouslyAllowBrowser`) is granted: the default `allowed_headers` is any, as vLLM's. A
+/// fixed list refused it (400 `cors_headers_not_allowed`), and the SDK could not call at all.
+#[test]
+fn a_browser_preflight_with_the_sdks_headers_is_granted_by_default() {
+    const ORIGIN: &str = "https://app.example.com";
+    const HEADERS: &str = "authorization,content-type,x-stainless-arch,x-stainless-lang,\
+        x-stainless-os,x-stainless-package-version,x-stainless-retry-count,x-stainless-runtime,\
+        x-stainless-runtime-version,x-stainless-timeout";
+    let s = start(
+        "cors-sdk-headers",
+        &format!("  cors: {{ allowed_origins: ['{ORIGIN}'] }}\n"),
+        "",
+        &[],
+    );
+    let r = s
+        .request(
+            "OPTIONS",
+            "/v1/chat/completions",
+            None,
+            &[
+                ("Origin", ORIGIN),
+                ("Access-Control-Request-Method", "POST"),
+                ("Access-Control-Request-Headers", HEADERS),
+            ],
+        )
+        .expect("preflight");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some(ORIGIN));
+    let granted = r
+        .header("access-control-allow-headers")
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    for name in HEADERS.split(',') {
+        assert!(
+            granted.split(',').any(|g| g.trim() == name),
+            "{name} not granted: {granted}"
+        );
+    }
+    // The call that follows is answered, readable by the page.
+    let r = s
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            Some(r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":1}"#),
+            &[
+                ("Origin", ORIGIN),
+                ("Content-Type", "application/json"),
+                ("x-stainless-os", "Linux"),
+                ("x-stainless-retry-count", "0"),
+            ],
+        )
+        .expect("POST");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("access-control-allow-origin"), Some(ORIGIN));
+}

@@ -32,7 +32,7 @@ pub struct CorsSection {
     pub allowed_origins: Vec<String>,
     /// Methods a cross-origin request may use, or `["*"]` for any.
     pub allowed_methods: Vec<String>,
-    /// Request headers a cross-origin request may send, or `["*"]` for any.
+    /// Request headers a cross-origin request may send, or `["*"]` for any (the default).
     pub allowed_headers: Vec<String>,
     /// Let browsers send cookies and HTTP authentication (`Access-Control-Allow-Credentials`);
     /// refused with `allowed_origins: ["*"]`, as the CORS standard forbids it. The API key in
@@ -50,9 +50,11 @@ impl Default for CorsSection {
             allowed_methods: ["GET", "POST", "PUT", "DELETE", "OPTIONS"]
                 .map(String::from)
                 .to_vec(),
-            allowed_headers: ["authorization", "content-type", "x-request-id"]
-                .map(String::from)
-                .to_vec(),
+            // Any, as vLLM's default: the OpenAI SDKs send headers of their own
+            // (`x-stainless-os`, `x-stainless-retry-count`, ...; new ones with new versions),
+            // which a fixed list refuses in the browser's preflight. Which origins may call
+            // is what guards the API (and its key); the headers grant nothing.
+            allowed_headers: vec!["*".to_owned()],
             allow_credentials: false,
             max_age_s: 600,
         }
@@ -192,10 +194,7 @@ mod tests {
             cors.allowed_methods,
             ["GET", "POST", "PUT", "DELETE", "OPTIONS"]
         );
-        assert_eq!(
-            cors.allowed_headers,
-            ["authorization", "content-type", "x-request-id"]
-        );
+        assert!(super::is_wildcard(&cors.allowed_headers));
         assert_eq!(cors.max_age_s, 600);
         assert!(!cors.allow_credentials);
         let c = Config::from_yaml_str(
