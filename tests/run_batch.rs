@@ -4,9 +4,10 @@
 
 mod common;
 
+use common::pid1::{namespace_init, pid_namespaces_work, switchyard_as_pid1};
 use common::{
-    fails, golden, ignoring_sigint, model_path, namespace_init, pid_namespaces_work, send_signal,
-    signal_listed, switchyard, switchyard_as_pid1, temp_dir, wait_exit, Server,
+    fails, golden, ignoring_sigint, model_path, send_signal, signal_listed, switchyard, temp_dir,
+    wait_exit, Server,
 };
 use serde_json::{json, Value};
 use std::os::unix::process::ExitStatusExt;

@@ -423,13 +423,13 @@ fn a_stop_as_the_model_loads_exits_zero() {
 /// and checks nothing.
 #[test]
 fn sigterm_drains_a_server_running_as_pid_1_then_it_exits_zero() {
-    if !common::pid_namespaces_work() {
+    if !common::pid1::pid_namespaces_work() {
         return;
     }
     // A drain long enough for the stream below to end on its own (as in the test above).
     let mut s = Server::spawn_as_pid1("pid1", "  drain_timeout_s: 600\n");
     s.wait_ready();
-    let init = common::namespace_init(&s.child);
+    let init = common::pid1::namespace_init(&s.child);
     assert!(common::signal_listed(init, "SigCgt", libc::SIGTERM));
     let model = s.model_id();
     // Long enough to be in flight when the signal comes (see the drain test above).

@@ -1760,19 +1760,20 @@ mod tests {
     /// Whether `unshare -Urpf true` succeeds here (unprivileged user and PID namespaces); says
     /// why on stderr where it does not.
     fn pid_namespaces_work() -> bool {
-        match std::process::Command::new("unshare")
+        let why = match std::process::Command::new("unshare")
             .args(["-Urpf", "true"])
             .output()
         {
-            Ok(out) if out.status.success() => true,
-            out => {
-                eprintln!(
-                    "SKIPPED, not checked: this machine makes no user and PID namespace \
-                     (`unshare -Urpf true`: {out:?})"
-                );
-                false
-            }
-        }
+            Ok(out) if out.status.success() => return true,
+            Ok(out) => format!(
+                "`unshare -Urpf true` failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+            Err(e) => format!("cannot run `unshare`: {e}"),
+        };
+        eprintln!("SKIPPED, not checked: this machine makes no user and PID namespace: {why}");
+        false
     }
 
     #[test]

@@ -49,8 +49,7 @@ pub fn logged_port(log: &str) -> Option<u16> {
     })
 }
 
-mod pid1;
-pub use pid1::{namespace_init, pid_namespaces_work, switchyard_as_pid1};
+pub mod pid1;
 
 #[path = "../../testsupport/scratch.rs"]
 mod scratch;
@@ -202,12 +201,12 @@ impl Server {
     }
 
     /// Like [`Server::start_with`], not waited for, with `serve` run as PID 1 of a new user and
-    /// PID namespace ([`switchyard_as_pid1`]): `child` is the `unshare` process, which exits
-    /// with the server's exit code, and [`namespace_init`] finds the server's own process.
-    /// Check [`pid_namespaces_work`] first.
+    /// PID namespace ([`pid1::switchyard_as_pid1`]): `child` is the `unshare` process, which
+    /// exits with the server's exit code, and [`pid1::namespace_init`] finds the server's own
+    /// process. Check [`pid1::pid_namespaces_work`] first.
     pub fn spawn_as_pid1(name: &str, server_lines: &str) -> Server {
         let dir = Self::write_config(name, &model_path(), "", server_lines, "");
-        let child = serve_by(switchyard_as_pid1(), &dir.join("config.yaml"), &dir)
+        let child = serve_by(pid1::switchyard_as_pid1(), &dir.join("config.yaml"), &dir)
             .spawn()
             .expect("start unshare switchyard serve");
         Server {
@@ -686,7 +685,7 @@ pub fn serve(config: &Path, dir: &Path) -> Command {
     serve_by(switchyard(), config, dir)
 }
 
-/// [`serve`]'s command, run by `program` ([`switchyard`] or [`switchyard_as_pid1`]).
+/// [`serve`]'s command, run by `program` ([`switchyard`] or [`pid1::switchyard_as_pid1`]).
 fn serve_by(mut program: Command, config: &Path, dir: &Path) -> Command {
     let log = std::fs::File::create(dir.join("server.log")).expect("log file");
     program
