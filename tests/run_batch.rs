@@ -4,6 +4,7 @@
 
 mod common;
 
+use common::pid1::{namespace_init, pid_namespaces_work, switchyard_as_pid1};
 use common::{
     fails, golden, ignoring_sigint, model_path, send_signal, signal_listed, switchyard, temp_dir,
     wait_exit, Server,
@@ -419,26 +420,41 @@ fn batch_config(dir: &Path) -> std::path::PathBuf {
 /// then two that each generate 2,000 tokens whatever the model writes (`ignore_eos`), which
 /// the CPU takes far longer to do than a test takes to send a signal.
 struct EndlessBatch {
+    /// The process started: run-batch's, or with [`Start::AsPid1`] `unshare`'s, which exits
+    /// with run-batch's exit code.
     child: Child,
+    /// How it was started.
+    how: Start,
     output: std::path::PathBuf,
     partial: std::path::PathBuf,
     stderr: std::path::PathBuf,
 }
 
+/// How a test starts run-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Start {
+    /// As a child of the test, with SIGINT's default disposition.
+    Plain,
+    /// With SIGINT ignored from the start, as a non-interactive shell starts a background job.
+    IgnoringSigint,
+    /// As PID 1 of a new user and PID namespace ([`switchyard_as_pid1`]), as a container's
+    /// entry point runs.
+    AsPid1,
+}
+
 impl EndlessBatch {
-    /// Starts it in `dir`, with SIGINT ignored from the start when `ignore_sigint` (as a
-    /// non-interactive shell starts a background job), and returns once the first line is
-    /// written: the signal handlers are installed by then, and the long lines are running.
-    fn start(dir: &Path, ignore_sigint: bool) -> Self {
-        let mut batch = Self::spawn(dir, ignore_sigint);
+    /// Starts it in `dir` as `how` says, and returns once the first line is written: the
+    /// signal handlers are installed by then, and the long lines are running.
+    fn start(dir: &Path, how: Start) -> Self {
+        let mut batch = Self::spawn(dir, how);
         batch.wait_for("a line written", |b| {
             std::fs::read_to_string(&b.partial).is_ok_and(|t| t.ends_with('\n'))
         });
         batch
     }
 
-    /// Starts it in `dir` (SIGINT ignored when `ignore_sigint`) and returns at once.
-    fn spawn(dir: &Path, ignore_sigint: bool) -> Self {
+    /// Starts it in `dir` as `how` says and returns at once.
+    fn spawn(dir: &Path, how: Start) -> Self {
         let long = json!({"prompt": "Count to ten thousand:", "max_tokens": 2000,
                           "ignore_eos": true, "temperature": 0});
         let input = [
@@ -456,7 +472,11 @@ impl EndlessBatch {
         let output = dir.join("out.jsonl");
         let partial = dir.join("out.jsonl.partial");
         let stderr = dir.join("stderr.txt");
-        let mut cmd = switchyard();
+        let mut cmd = if how == Start::AsPid1 {
+            switchyard_as_pid1()
+        } else {
+            switchyard()
+        };
         cmd.arg("run-batch")
             .arg("--config")
             .arg(batch_config(dir))
@@ -466,11 +486,12 @@ impl EndlessBatch {
             .arg(&output)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr).unwrap());
-        if ignore_sigint {
+        if how == Start::IgnoringSigint {
             ignoring_sigint(&mut cmd);
         }
         Self {
             child: cmd.spawn().expect("start run-batch"),
+            how,
             output,
             partial,
             stderr,
@@ -495,14 +516,22 @@ impl EndlessBatch {
         }
     }
 
+    /// The host PID of run-batch's own process (with [`Start::AsPid1`], `unshare`'s child).
+    fn pid(&self) -> u32 {
+        match self.how {
+            Start::AsPid1 => namespace_init(&self.child),
+            Start::Plain | Start::IgnoringSigint => self.child.id(),
+        }
+    }
+
     /// Sends it `signal`.
     fn signal(&self, signal: libc::c_int) {
-        send_signal(self.child.id(), signal);
+        send_signal(self.pid(), signal);
     }
 
     /// Whether its `/proc` status lists `signal` under `field` (`SigIgn`, `SigCgt`).
     fn lists(&self, field: &str, signal: libc::c_int) -> bool {
-        signal_listed(self.child.id(), field, signal)
+        signal_listed(self.pid(), field, signal)
     }
 
     fn stderr(&self) -> String {
@@ -533,28 +562,60 @@ fn an_interrupted_batch_keeps_its_lines_done_and_ends_by_the_signal() {
         (libc::SIGTERM, "SIGTERM", 143),
     ] {
         let dir = temp_dir("run-batch", &format!("interrupted-{name}"));
-        let mut batch = EndlessBatch::start(&dir, false);
+        let mut batch = EndlessBatch::start(&dir, Start::Plain);
         assert!(batch.lists("SigCgt", signal), "{name} caught");
         batch.signal(signal);
         let (status, stderr) = batch.wait();
         assert_eq!(status.signal(), Some(signal), "{status}: {stderr}");
         assert_eq!(shell_status(status), shell);
-        let partial = batch.partial.display();
-        assert!(
-            stderr.contains(&format!(
-                "error: run-batch stopped: 1 of 3 lines were done; the lines done, in input \
-                 order, are in {partial}: interrupted ({name})"
-            )),
-            "{stderr}"
-        );
-        assert!(
-            stderr.contains("run-batch: 1 lines, 1 succeeded, 0 failed"),
-            "{stderr}"
-        );
-        let kept = output_lines(&std::fs::read_to_string(&batch.partial).unwrap());
-        assert_eq!(kept.len(), 1, "{kept:?}");
-        assert_eq!(kept[0]["custom_id"], "quick");
-        assert!(!batch.output.exists());
+        assert_stopped_after_the_quick_line(&batch, name, &stderr);
+    }
+}
+
+/// What a batch that `name` (`SIGINT`, `SIGTERM`) stopped after its first line leaves: the
+/// summary on `stderr`, `OUTPUT.partial` with that line, no `OUTPUT`.
+fn assert_stopped_after_the_quick_line(batch: &EndlessBatch, name: &str, stderr: &str) {
+    let partial = batch.partial.display();
+    assert!(
+        stderr.contains(&format!(
+            "error: run-batch stopped: 1 of 3 lines were done; the lines done, in input \
+             order, are in {partial}: interrupted ({name})"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("run-batch: 1 lines, 1 succeeded, 0 failed"),
+        "{stderr}"
+    );
+    let kept = output_lines(&std::fs::read_to_string(&batch.partial).unwrap());
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(kept[0]["custom_id"], "quick");
+    assert!(!batch.output.exists());
+}
+
+/// As PID 1 of a PID namespace (a container's entry point), which the kernel keeps from
+/// dying of the signal the binary raises at itself under the default disposition, a batch
+/// stopped mid-run exits with the shell's status as its exit code (130 for SIGINT, 143 for
+/// SIGTERM: `exit_status`'s fallback) and leaves what it leaves elsewhere. Where
+/// this machine makes no user and PID namespace (`unshare -Urpf true` fails: unprivileged
+/// user namespaces off), the test says so on stderr and checks nothing.
+#[test]
+fn an_interrupted_batch_as_pid_1_exits_with_128_plus_the_signal_and_keeps_its_lines_done() {
+    if !pid_namespaces_work() {
+        return;
+    }
+    for (signal, name, code) in [
+        (libc::SIGINT, "SIGINT", 130),
+        (libc::SIGTERM, "SIGTERM", 143),
+    ] {
+        let dir = temp_dir("run-batch", &format!("pid1-{name}"));
+        let mut batch = EndlessBatch::start(&dir, Start::AsPid1);
+        // A signal from outside the namespace reaches its init only through a handler.
+        assert!(batch.lists("SigCgt", signal), "{name} caught");
+        batch.signal(signal);
+        let (status, stderr) = batch.wait();
+        assert_eq!(status.code(), Some(code), "{status}: {stderr}");
+        assert_stopped_after_the_quick_line(&batch, name, &stderr);
     }
 }
 
@@ -565,7 +626,7 @@ fn an_interrupted_batch_keeps_its_lines_done_and_ends_by_the_signal() {
 #[test]
 fn a_batch_interrupted_as_the_model_loads_ends_by_the_signal() {
     let dir = temp_dir("run-batch", "interrupted-load");
-    let mut batch = EndlessBatch::spawn(&dir, false);
+    let mut batch = EndlessBatch::spawn(&dir, Start::Plain);
     batch.wait_for("the model load's start", |b| {
         b.stderr().contains("loading model")
     });
@@ -596,7 +657,7 @@ fn a_batch_interrupted_as_the_model_loads_ends_by_the_signal() {
 #[test]
 fn a_sigint_inherited_ignored_stays_ignored_and_sigterm_still_stops() {
     let dir = temp_dir("run-batch", "sigint-ignored");
-    let mut batch = EndlessBatch::start(&dir, true);
+    let mut batch = EndlessBatch::start(&dir, Start::IgnoringSigint);
     assert!(batch.lists("SigIgn", libc::SIGINT), "SIGINT ignored");
     assert!(!batch.lists("SigCgt", libc::SIGINT), "SIGINT not caught");
     assert!(batch.lists("SigCgt", libc::SIGTERM), "SIGTERM caught");

@@ -416,6 +416,49 @@ fn a_stop_as_the_model_loads_exits_zero() {
     );
 }
 
+/// As PID 1 of a PID namespace (a container's entry point), which a signal from outside
+/// reaches only through a handler, `serve` drains on SIGTERM (the stream in flight runs to its
+/// end) and exits 0, as it does elsewhere. Where this machine makes no user and PID namespace
+/// (`unshare -Urpf true` fails: unprivileged user namespaces off), the test says so on stderr
+/// and checks nothing.
+#[test]
+fn sigterm_drains_a_server_running_as_pid_1_then_it_exits_zero() {
+    if !common::pid1::pid_namespaces_work() {
+        return;
+    }
+    // A drain long enough for the stream below to end on its own (as in the test above).
+    let mut s = Server::spawn_as_pid1("pid1", "  drain_timeout_s: 600\n");
+    s.wait_ready();
+    let init = common::pid1::namespace_init(&s.child);
+    assert!(common::signal_listed(init, "SigCgt", libc::SIGTERM));
+    let model = s.model_id();
+    // Long enough to be in flight when the signal comes (see the drain test above).
+    let body = json!({"model": model, "prompt": "Write a list of fruits", "max_tokens": 1000,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    let mut stream = s.open("POST", "/v1/completions", Some(&body));
+    wait_running(&s, 1);
+    common::send_signal(init, libc::SIGTERM);
+    wait_not_ready(&s);
+    stream
+        .set_read_timeout(Some(Duration::from_secs(600)))
+        .unwrap();
+    let r = common::read_response(&mut stream).expect("in-flight stream completes");
+    let events = sse_events(&r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert!(
+        events
+            .iter()
+            .any(|e| e.contains(r#""finish_reason":"length""#)),
+        "{}",
+        r.body
+    );
+    // `unshare`'s status is the server's exit code.
+    wait_exit_zero(&mut s);
+    let log = s.log();
+    assert_eq!(log.matches("draining").count(), 1, "{log}");
+}
+
 /// Regression: a server started with SIGINT ignored (`switchyard serve ... &` in a script)
 /// took SIGINT over and drained on it. It is left ignored, and SIGTERM drains and exits 0.
 #[test]

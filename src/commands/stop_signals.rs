@@ -153,8 +153,11 @@ pub(super) fn end_at_next_stop() {
 }
 
 /// The handler [`end_at_next_stop`] installs: says so, then ends the process by `signal`
-/// (blocked while this handler runs, so the raised one is delivered, under the default
-/// action, as it returns).
+/// (blocked while this handler runs: raised, then unblocked, it is delivered under the
+/// default action at once). Where that does not end the process (PID 1 of a PID namespace,
+/// which the kernel spares a signal under the default action, drops it), the handler ends it
+/// with 128 + the signal's number, the status [`exit_status`] falls back to there too: it
+/// must not return, or the wait it was to cut short would go on.
 extern "C" fn end_now(signal: libc::c_int) {
     let message: &[u8] = if signal == libc::SIGINT {
         b"switchyard: SIGINT: ending now, without waiting for the backend to be released\n"
@@ -162,11 +165,17 @@ extern "C" fn end_now(signal: libc::c_int) {
         b"switchyard: SIGTERM: ending now, without waiting for the backend to be released\n"
     };
     // SAFETY: `write` of a static buffer to standard error, `signal` with the default
-    // disposition and `raise` are async-signal-safe and touch no memory of the process.
+    // disposition, `raise`, the `sigset_t` functions on a set of this frame, `pthread_sigmask`
+    // and `_exit` are async-signal-safe and touch no other memory of the process.
     unsafe {
         libc::write(2, message.as_ptr().cast(), message.len());
         libc::signal(signal, libc::SIG_DFL);
         libc::raise(signal);
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, signal);
+        libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+        libc::_exit(128 + signal);
     }
 }
 

@@ -49,6 +49,8 @@ pub fn logged_port(log: &str) -> Option<u16> {
     })
 }
 
+pub mod pid1;
+
 #[path = "../../testsupport/scratch.rs"]
 mod scratch;
 /// A test's scratch directory, removed with all it holds when dropped, so that a test leaves
@@ -187,6 +189,42 @@ impl Server {
         extra_yaml: &str,
         with: impl FnOnce(&mut Command),
     ) -> Server {
+        let dir = Self::write_config(name, model, model_lines, server_lines, extra_yaml);
+        let mut cmd = serve(&dir.join("config.yaml"), &dir);
+        with(&mut cmd);
+        let child = cmd.spawn().expect("start switchyard serve");
+        Server {
+            port: 0,
+            child,
+            dir,
+        }
+    }
+
+    /// Like [`Server::start_with`], not waited for, with `serve` run as PID 1 of a new user and
+    /// PID namespace ([`pid1::switchyard_as_pid1`]): `child` is the `unshare` process, which
+    /// exits with the server's exit code, and [`pid1::namespace_init`] finds the server's own
+    /// process. Check [`pid1::pid_namespaces_work`] first.
+    pub fn spawn_as_pid1(name: &str, server_lines: &str) -> Server {
+        let dir = Self::write_config(name, &model_path(), "", server_lines, "");
+        let child = serve_by(pid1::switchyard_as_pid1(), &dir.join("config.yaml"), &dir)
+            .spawn()
+            .expect("start unshare switchyard serve");
+        Server {
+            port: 0,
+            child,
+            dir,
+        }
+    }
+
+    /// A fresh scratch directory for a server named `name`, with [`Server::start_model`]'s
+    /// `config.yaml` written in it; returns the directory.
+    fn write_config(
+        name: &str,
+        model: &std::path::Path,
+        model_lines: &str,
+        server_lines: &str,
+        extra_yaml: &str,
+    ) -> PathBuf {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir =
@@ -206,14 +244,7 @@ impl Server {
             model.display()
         );
         std::fs::write(&config, yaml).expect("write config");
-        let mut cmd = serve(&config, &dir);
-        with(&mut cmd);
-        let child = cmd.spawn().expect("start switchyard serve");
-        Server {
-            port: 0,
-            child,
-            dir,
-        }
+        dir
     }
 
     /// Waits (up to 120 s) until `/ready` answers 200 over plain HTTP; fails at once, with the
@@ -629,8 +660,12 @@ pub fn choice_texts(v: &serde_json::Value) -> Vec<String> {
 /// inherited ignored SIGINT alone), and the tests that stop it with SIGINT would wait forever.
 /// [`ignoring_sigint`] adds the opposite on top.
 pub fn switchyard() -> Command {
+    with_default_sigint(Command::new(env!("CARGO_BIN_EXE_switchyard")))
+}
+
+/// `cmd`, made to start its process with SIGINT's default disposition (see [`switchyard`]).
+pub(crate) fn with_default_sigint(mut cmd: Command) -> Command {
     use std::os::unix::process::CommandExt;
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_switchyard"));
     // SAFETY: `signal` is async-signal-safe, and the closure touches nothing else.
     unsafe {
         cmd.pre_exec(|| {
@@ -647,14 +682,19 @@ pub fn switchyard() -> Command {
 /// written to `server.log` in `dir`, where [`Server::log`] reads it: add arguments or
 /// variables, then spawn it.
 pub fn serve(config: &Path, dir: &Path) -> Command {
+    serve_by(switchyard(), config, dir)
+}
+
+/// [`serve`]'s command, run by `program` ([`switchyard`] or [`pid1::switchyard_as_pid1`]).
+fn serve_by(mut program: Command, config: &Path, dir: &Path) -> Command {
     let log = std::fs::File::create(dir.join("server.log")).expect("log file");
-    let mut cmd = switchyard();
-    cmd.args(["serve", "--config"])
+    program
+        .args(["serve", "--config"])
         .arg(config)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(log);
-    cmd
+    program
 }
 
 /// Runs a command that must succeed; returns its stdout.
