@@ -766,6 +766,36 @@ mod tests {
         assert!(e.contains("scheduler.max_queue_ms"), "{e}");
     }
 
+    /// The limit on one backend call defaults to 300 s, 0 turns it off, and past a day (or
+    /// below 0) it is refused at the value's line or naming the override.
+    #[test]
+    fn the_step_timeout_is_bounded_and_zero_is_off() {
+        let default = Config::default().scheduler;
+        assert_eq!(default.step_timeout_s, 300);
+        assert_eq!(
+            default.step_timeout(),
+            Some(std::time::Duration::from_secs(300))
+        );
+        let c = Config::from_yaml_str("scheduler:\n  step_timeout_s: 0\n", "t").unwrap();
+        assert_eq!(c.scheduler.step_timeout(), None);
+        let c = Config::from_yaml_str("scheduler:\n  step_timeout_s: 86400\n", "t").unwrap();
+        assert_eq!(
+            c.scheduler.step_timeout(),
+            Some(std::time::Duration::from_secs(86_400))
+        );
+        let e = error(
+            "scheduler:\n  max_num_seqs: 8\n  step_timeout_s: 86401\n",
+            &[],
+        );
+        assert!(
+            e.starts_with("t.yaml:3: scheduler.step_timeout_s: 86401 is out of range 0..=86400"),
+            "{e}"
+        );
+        let e = error("", &["scheduler.step_timeout_s=-1".into()]);
+        assert!(e.contains("scheduler.step_timeout_s"), "{e}");
+        assert!(e.contains("-1 is out of range 0..=86400"), "{e}");
+    }
+
     /// A tier's KV quota is optional, a fraction in (0, 1], refused at the value's line or
     /// naming the override.
     #[test]

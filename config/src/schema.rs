@@ -935,6 +935,28 @@ pub struct SchedulerSection {
     /// `queue_timeout`. `None` (the default): no bound.
     #[serde(deserialize_with = "opt_u64_in::<_, 1, 3600000>")]
     pub max_queue_ms: Option<u64>,
+    /// Longest one backend call (a step, or its submit or collect half, a KV copy) may run,
+    /// in seconds (0 to [`MAX_STEP_TIMEOUT_S`], 86,400; 0: no limit), before the engine counts
+    /// as stalled: `/health` and `/ready` answer 503 `engine_stalled` and new requests are
+    /// refused until the call returns, so that a liveness probe restarts a server whose
+    /// device hung. Default [`DEFAULT_STEP_TIMEOUT_S`] (300, SGLang's `--watchdog-timeout`):
+    /// far above any step that works, the first ones included (which compile the CUDA
+    /// kernels and capture graphs), and a long prefill chunk of a large model on a few CPU
+    /// cores. A SIGHUP applies a new value, to the call under way too.
+    #[serde(deserialize_with = "int_in::<_, 0, { MAX_STEP_TIMEOUT_S }>")]
+    pub step_timeout_s: u64,
+}
+
+/// The default of `scheduler.step_timeout_s`, in seconds.
+pub const DEFAULT_STEP_TIMEOUT_S: u64 = 300;
+/// The largest `scheduler.step_timeout_s`, in seconds (a day).
+pub const MAX_STEP_TIMEOUT_S: u64 = 86_400;
+
+impl SchedulerSection {
+    /// `step_timeout_s` as a limit (`None`: 0, no limit).
+    pub fn step_timeout(&self) -> Option<std::time::Duration> {
+        (self.step_timeout_s > 0).then(|| std::time::Duration::from_secs(self.step_timeout_s))
+    }
 }
 
 impl Default for SchedulerSection {
@@ -945,6 +967,7 @@ impl Default for SchedulerSection {
             policy: PolicySpec::default(),
             async_scheduling: AsyncSchedulingMode::Auto,
             max_queue_ms: None,
+            step_timeout_s: DEFAULT_STEP_TIMEOUT_S,
         }
     }
 }
