@@ -522,6 +522,7 @@ pub(super) fn load_engine(
         tier_max_pending: super::config::tier_pending_limits(config),
         tier_max_pending_per_tenant: super::config::tier_pending_per_tenant_limits(config),
         metrics_tenants: options.metrics_tenants,
+        step_timeout: config.scheduler.step_timeout(),
     };
     Ok(LoadedEngine {
         engine_config,
@@ -1180,6 +1181,14 @@ impl port::Engine for EngineAdapter {
 
     fn is_alive(&self) -> bool {
         self.engine.is_alive()
+    }
+
+    fn stall(&self) -> Option<port::EngineStall> {
+        self.engine.stall().map(|s| port::EngineStall {
+            call: s.running.call.as_str(),
+            running: s.running.running,
+            limit: s.limit,
+        })
     }
 
     fn submit(
