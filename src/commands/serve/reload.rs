@@ -273,7 +273,7 @@ impl Reloader {
             }
         }
         self.apply_access(&mut state, keys, effective, max_pending);
-        let limit = cfg.scheduler.step_timeout();
+        let limit = cfg.scheduler.step_timeout(self.adapter.device_backend);
         let before = self.adapter.engine.step_timeout();
         if limit != before {
             self.adapter.engine.set_step_timeout(limit);
