@@ -79,6 +79,11 @@ fn a_value_out_of_range_names_its_own_field_and_line() {
             "max_num_batched_tokens: 0",
             "scheduler.max_num_batched_tokens: 0 is out of range 1..=1048576 at line",
         ),
+        (
+            "# step_timeout_s: 300",
+            "step_timeout_s: 86401",
+            "scheduler.step_timeout_s: 86401 is out of range 0..=86400 at line",
+        ),
     ] {
         let (_dir, file) = edited("range", find, replace);
         let err = refused(&file, &[], &[]);

@@ -241,6 +241,30 @@ fn sighup_keeps_an_unchanged_policy_and_names_fields_that_take_a_restart() {
     assert_eq!(s.metric("switchyard:policy_swaps_total"), Some(2.0));
 }
 
+/// A SIGHUP applies a new `scheduler.step_timeout_s` (it is not among the fields that take a
+/// restart), said in the log; the stall gauge is exported at 0 from the start.
+#[test]
+fn sighup_applies_a_new_step_timeout() {
+    let s = start(
+        "step-timeout",
+        "",
+        "scheduler:\n  step_timeout_s: 300\n",
+        &[],
+    );
+    assert_eq!(s.metric("switchyard:engine_stalled"), Some(0.0));
+    edit_config(&s, "step_timeout_s: 300", "step_timeout_s: 0");
+    s.hang_up();
+    s.wait_logged("SIGHUP: reload finished", 1);
+    let log = s.log();
+    assert!(
+        log.contains("SIGHUP: scheduler.step_timeout_s: 300 -> 0"),
+        "{log}"
+    );
+    assert!(!log.contains("taking a restart"), "{log}");
+    let health = s.request("GET", "/health", None, &[]).expect("health");
+    assert_eq!(health.status, 200, "{}", health.body);
+}
+
 #[test]
 fn sighup_restores_an_adapter_an_admin_deleted_and_hangups_in_a_row_agree() {
     let s = lora_server("reconcile");

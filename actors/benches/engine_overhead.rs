@@ -164,6 +164,7 @@ fn start_engine(running: usize) -> (Arc<AtomicU64>, actix::System) {
                     lora: None,
                     prefix_sharing_by_tenant: false,
                     message_tokens_as_text: true,
+                    step_timeout: None,
                     vocab_size: 0,
                 },
                 Box::new(InstantBackend {

@@ -84,3 +84,35 @@ impl Backend for CountingBackend {
     }
     fn release(&mut self, _: u64) {}
 }
+
+/// A [`CountingBackend`] whose every step, once begun (said on `entered`), waits for a
+/// message on `gate` or for its sender to be dropped, which releases every step from then on:
+/// a step stuck on the device, for as long as a test wants.
+pub(crate) struct GatedBackend {
+    pub(crate) inner: CountingBackend,
+    pub(crate) entered: std::sync::mpsc::Sender<()>,
+    pub(crate) gate: std::sync::mpsc::Receiver<()>,
+}
+
+impl Backend for GatedBackend {
+    fn name(&self) -> &str {
+        "gated"
+    }
+    fn num_kv_blocks(&self) -> usize {
+        self.inner.num_kv_blocks()
+    }
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    fn max_batch_tokens(&self) -> usize {
+        self.inner.max_batch_tokens()
+    }
+    fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+        // The test may have stopped listening; the step goes on.
+        let _ = self.entered.send(());
+        // A message or a dropped sender: either releases the step.
+        let _ = self.gate.recv();
+        self.inner.execute(batch)
+    }
+    fn release(&mut self, _: u64) {}
+}

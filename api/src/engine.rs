@@ -83,6 +83,14 @@ pub trait Engine: Send + Sync + 'static {
         true
     }
 
+    /// The backend call that has run past the engine's limit on one call
+    /// (`scheduler.step_timeout_s`), if one has: the engine is stalled (a device or driver
+    /// hang, or a deadlock in its backend). `GET /health` and `GET /ready` then answer 503
+    /// `engine_stalled` and no request is admitted, until the call returns. `None` by default.
+    fn stall(&self) -> Option<EngineStall> {
+        None
+    }
+
     /// Queues the generation requests of one client request, one per prompt (at least one;
     /// all of one tier), and returns their receivers in the same order. See the module docs
     /// for the events the engine must send and for the abort-on-drop contract. They are
@@ -809,6 +817,31 @@ impl EngineError {
     pub fn with_param(mut self, param: impl Into<String>) -> Self {
         self.param = Some(param.into());
         self
+    }
+}
+
+/// A backend call that has run past the engine's limit on one call ([`Engine::stall`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineStall {
+    /// The backend call under way (`execute`, `collect`, ...).
+    pub call: &'static str,
+    /// How long it has run.
+    pub running: std::time::Duration,
+    /// The limit it is past (`scheduler.step_timeout_s`).
+    pub limit: std::time::Duration,
+}
+
+impl fmt::Display for EngineStall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "The engine is stalled: its backend's `{}` call has run for {} s, past \
+             scheduler.step_timeout_s = {} (a GPU or driver hang?). Requests in flight wait for \
+             it; the server serves again if it returns, else restart the server.",
+            self.call,
+            self.running.as_secs(),
+            self.limit.as_secs()
+        )
     }
 }
 

@@ -10,7 +10,7 @@ use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
 
 use crate::cors::CorsRefusal;
-use crate::engine::{EngineError, EngineErrorKind};
+use crate::engine::{EngineError, EngineErrorKind, EngineStall};
 use crate::rate_limit::RateLimited;
 
 /// Everything a request can fail with.
@@ -102,6 +102,10 @@ pub enum ApiError {
     /// reason: `cors_origin_not_allowed`, ...).
     #[error(transparent)]
     CorsRefused(#[from] CorsRefusal),
+    /// A backend call has run past the engine's limit (`scheduler.step_timeout_s`): the
+    /// engine is stalled (503 `engine_stalled` on `/health`, `/ready` and new requests).
+    #[error("{0}")]
+    EngineStalled(EngineStall),
     /// The engine refused or failed the request; its kind picks the status.
     #[error(transparent)]
     Engine(#[from] EngineError),
@@ -214,6 +218,11 @@ impl ApiError {
                 SERVER_ERROR,
                 Some("shutting_down"),
             ),
+            Self::EngineStalled(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                SERVER_ERROR,
+                Some("engine_stalled"),
+            ),
             Self::RateLimited(r) => (
                 StatusCode::TOO_MANY_REQUESTS,
                 r.kind.as_str(),
@@ -268,7 +277,7 @@ impl ApiError {
     /// Seconds a client should wait before retrying, for the `Retry-After` header.
     fn retry_after_secs(&self) -> Option<u32> {
         match self {
-            Self::Draining => Some(5),
+            Self::Draining | Self::EngineStalled(_) => Some(5),
             Self::RateLimited(r) => Some(
                 u32::try_from(r.retry_after.as_secs_f64().ceil() as u64)
                     .unwrap_or(u32::MAX)

@@ -173,7 +173,8 @@ impl ApiState {
     }
 
     /// Admits one generation request, or refuses it while draining, before the engine is
-    /// ready and once it cannot serve (its backend retired: every request would fail).
+    /// ready, once it cannot serve (its backend retired: every request would fail) and while
+    /// it is stalled (a backend call past `scheduler.step_timeout_s`: it would wait behind it).
     pub(crate) fn admit(&self) -> Result<InFlight, ApiError> {
         if self.is_draining() {
             return Err(ApiError::Draining);
@@ -186,6 +187,9 @@ impl ApiState {
         }
         if !self.engine.is_alive() {
             return Err(engine_dead());
+        }
+        if let Some(stall) = self.engine.stall() {
+            return Err(ApiError::EngineStalled(stall));
         }
         self.lifecycle.in_flight.send_modify(|n| *n += 1);
         metrics::gauge!(HTTP_IN_FLIGHT).increment(1.0);

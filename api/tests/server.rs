@@ -678,6 +678,52 @@ async fn health_and_ready_are_503_once_the_engine_cannot_serve() {
     }
 }
 
+/// A backend call past `scheduler.step_timeout_s`: `/health` and `/ready` answer 503
+/// `engine_stalled` naming the call, how long it has run and the setting, and generation
+/// requests are refused at the door; once the call returns, all is served again.
+#[actix_web::test]
+async fn health_ready_and_generation_are_503_while_the_engine_is_stalled() {
+    let engine = EchoEngine::new();
+    let (_state, app) = app(engine.clone(), api_config()).await;
+    *engine.stall.lock().unwrap() = Some(switchyard_api::engine::EngineStall {
+        call: "collect",
+        running: Duration::from_millis(312_400),
+        limit: Duration::from_secs(300),
+    });
+    let completion = || post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
+    for request in [
+        TestRequest::get().uri("/health"),
+        TestRequest::get().uri("/ready"),
+        completion(),
+    ] {
+        let reply = send(&app, request).await;
+        assert!(reply.headers.contains_key("retry-after"));
+        let body = reply.assert_error(503, "server_error", None);
+        assert_eq!(body["error"]["code"], "engine_stalled", "{body}");
+        assert_eq!(
+            body["error"]["message"],
+            "The engine is stalled: its backend's `collect` call has run for 312 s, past \
+             scheduler.step_timeout_s = 300 (a GPU or driver hang?). Requests in flight wait \
+             for it; the server serves again if it returns, else restart the server."
+        );
+    }
+    assert!(engine.submitted.lock().unwrap().is_empty());
+    // A retired backend is the graver state: its answer comes first.
+    engine.alive.store(false, Ordering::SeqCst);
+    let reply = send(&app, TestRequest::get().uri("/health")).await;
+    assert_eq!(
+        reply.assert_error(503, "server_error", None)["error"]["code"],
+        "unavailable"
+    );
+    engine.alive.store(true, Ordering::SeqCst);
+    // The call returned.
+    *engine.stall.lock().unwrap() = None;
+    for uri in ["/health", "/ready"] {
+        assert_eq!(send(&app, TestRequest::get().uri(uri)).await.status, 200);
+    }
+    assert_eq!(send(&app, completion()).await.status, 200);
+}
+
 #[actix_web::test]
 async fn generation_is_503_once_the_engine_cannot_serve() {
     // A retired backend fails every step: refused at the door, before any stream opens.

@@ -766,6 +766,46 @@ mod tests {
         assert!(e.contains("scheduler.max_queue_ms"), "{e}");
     }
 
+    /// The limit on one backend call: unset, 300 s on a device backend and none on the
+    /// host's; set, the value on either (0: none); past a day (or below 0) refused at the
+    /// value's line or naming the override.
+    #[test]
+    fn the_step_timeout_is_bounded_zero_is_off_and_unset_is_the_backends() {
+        let secs = |s: u64| Some(std::time::Duration::from_secs(s));
+        let default = Config::default().scheduler;
+        assert_eq!(default.step_timeout_s, None);
+        assert_eq!(default.step_timeout(true), secs(300));
+        assert_eq!(default.step_timeout(false), None);
+        for (yaml, device, host) in [
+            ("scheduler:\n  step_timeout_s: 0\n", None, None),
+            ("scheduler:\n  step_timeout_s: 60\n", secs(60), secs(60)),
+            (
+                "scheduler:\n  step_timeout_s: 86400\n",
+                secs(86_400),
+                secs(86_400),
+            ),
+            ("scheduler:\n  step_timeout_s: null\n", secs(300), None),
+        ] {
+            let c = Config::from_yaml_str(yaml, "t").unwrap().scheduler;
+            assert_eq!(
+                (c.step_timeout(true), c.step_timeout(false)),
+                (device, host),
+                "{yaml}"
+            );
+        }
+        let e = error(
+            "scheduler:\n  max_num_seqs: 8\n  step_timeout_s: 86401\n",
+            &[],
+        );
+        assert!(
+            e.starts_with("t.yaml:3: scheduler.step_timeout_s: 86401 is out of range 0..=86400"),
+            "{e}"
+        );
+        let e = error("", &["scheduler.step_timeout_s=-1".into()]);
+        assert!(e.contains("scheduler.step_timeout_s"), "{e}");
+        assert!(e.contains("-1 is out of range 0..=86400"), "{e}");
+    }
+
     /// A tier's KV quota is optional, a fraction in (0, 1], refused at the value's line or
     /// naming the override.
     #[test]

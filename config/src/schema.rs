@@ -935,6 +935,38 @@ pub struct SchedulerSection {
     /// `queue_timeout`. `None` (the default): no bound.
     #[serde(deserialize_with = "opt_u64_in::<_, 1, 3600000>")]
     pub max_queue_ms: Option<u64>,
+    /// Longest one backend call (a step, or its submit or collect half, a KV copy) may run,
+    /// in seconds (0 to [`MAX_STEP_TIMEOUT_S`], 86,400; 0: no limit), before the engine counts
+    /// as stalled: `/health` and `/ready` answer 503 `engine_stalled` and new requests are
+    /// refused until the call returns, so that a liveness probe restarts a server whose
+    /// device hung. Unset (the default): [`DEFAULT_STEP_TIMEOUT_S`] (300, SGLang's
+    /// `--watchdog-timeout`) on a device backend (CUDA), far above any step that works, the
+    /// first ones included (which compile the kernels and capture graphs); none on the CPU
+    /// backend, which has no device to hang and whose steps take what the model and the batch
+    /// make them (a prefill chunk of 8,192 tokens of a 1B model on two cores runs for minutes).
+    /// A SIGHUP applies a new value, to the call under way too.
+    #[serde(deserialize_with = "opt_u64_in::<_, 0, { MAX_STEP_TIMEOUT_S }>")]
+    pub step_timeout_s: Option<u64>,
+}
+
+/// The limit on one backend call of a device backend when `scheduler.step_timeout_s` is
+/// unset, in seconds.
+pub const DEFAULT_STEP_TIMEOUT_S: u64 = 300;
+/// The largest `scheduler.step_timeout_s`, in seconds (a day).
+pub const MAX_STEP_TIMEOUT_S: u64 = 86_400;
+
+impl SchedulerSection {
+    /// The limit on one backend call (`None`: none): `step_timeout_s` when set (0: none),
+    /// else [`DEFAULT_STEP_TIMEOUT_S`] for a backend whose steps run on a device (`device`)
+    /// and none for one that runs them on the host.
+    pub fn step_timeout(&self, device: bool) -> Option<std::time::Duration> {
+        let secs = match self.step_timeout_s {
+            Some(secs) => secs,
+            None if device => DEFAULT_STEP_TIMEOUT_S,
+            None => 0,
+        };
+        (secs > 0).then(|| std::time::Duration::from_secs(secs))
+    }
 }
 
 impl Default for SchedulerSection {
@@ -945,6 +977,7 @@ impl Default for SchedulerSection {
             policy: PolicySpec::default(),
             async_scheduling: AsyncSchedulingMode::Auto,
             max_queue_ms: None,
+            step_timeout_s: None,
         }
     }
 }

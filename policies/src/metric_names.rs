@@ -77,6 +77,10 @@ pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 /// Counter: engine steps that failed (a backend error or panic, or a lost executor or
 /// allocator); their requests ended with an error, the server went on.
 pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
+/// Gauge: 1 while a backend call (a step, or a KV copy or a release) has run past
+/// `scheduler.step_timeout_s` and not returned (the engine is stalled: `/health` and `/ready`
+/// answer 503 `engine_stalled`), else 0.
+pub const ENGINE_STALLED: &str = "switchyard:engine_stalled";
 /// Counter: block-accounting calls the scheduling core absorbed because they failed
 /// (`SchedulerStats::pool_errors`: a core or caller bug, never user input; each growth is also
 /// logged at ERROR). Anything but 0 is a bug to report.
@@ -261,6 +265,7 @@ pub const GAUGES: &[&str] = &[
     LORA_ADAPTERS,
     LORA_RUNNING_ADAPTERS,
     LORA_WAITING_REQUESTS,
+    ENGINE_STALLED,
 ];
 /// Counters among the names above.
 pub const COUNTERS: &[&str] = &[

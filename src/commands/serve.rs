@@ -522,6 +522,7 @@ pub(super) fn load_engine(
         tier_max_pending: super::config::tier_pending_limits(config),
         tier_max_pending_per_tenant: super::config::tier_pending_per_tenant_limits(config),
         metrics_tenants: options.metrics_tenants,
+        step_timeout: config.scheduler.step_timeout(backend.overlaps_host()),
     };
     Ok(LoadedEngine {
         engine_config,
@@ -575,6 +576,7 @@ pub(super) async fn start_engine(
             .map(|s| s.to_string())
             .collect(),
     };
+    let device_backend = backend.overlaps_host();
     let engine = ActorEngine::start(engine_config, backend, tokenizer.clone(), template, policy)?;
     *released = Some(engine.backend_released());
     let mut file_adapters = Vec::new();
@@ -609,6 +611,7 @@ pub(super) async fn start_engine(
             },
         ))),
         lora_enabled: config.lora.enabled,
+        device_backend,
     });
     metrics::gauge!(switchyard_api::metrics::POLICY_INFO, "policy" => policy_label(&adapter.policy.lock().name)).set(1.0);
     Ok(RunningEngine {
@@ -801,6 +804,9 @@ pub(super) struct EngineAdapter {
     speculative: Arc<tokio::sync::Mutex<Option<SpeculativeSettings>>>,
     /// Whether LoRA adapters are served (`lora.enabled` at start).
     lora_enabled: bool,
+    /// Whether the backend runs its steps on a device (`Backend::overlaps_host`): an unset
+    /// `scheduler.step_timeout_s` limits its calls (`SchedulerSection::step_timeout`).
+    device_backend: bool,
 }
 
 impl EngineAdapter {
@@ -1180,6 +1186,14 @@ impl port::Engine for EngineAdapter {
 
     fn is_alive(&self) -> bool {
         self.engine.is_alive()
+    }
+
+    fn stall(&self) -> Option<port::EngineStall> {
+        self.engine.stall().map(|s| port::EngineStall {
+            call: s.running.call.as_str(),
+            running: s.running.running,
+            limit: s.limit,
+        })
     }
 
     fn submit(

@@ -354,6 +354,7 @@ fn start_engine_sharing(
             lora: None,
             prefix_sharing_by_tenant: by_tenant,
             message_tokens_as_text: true,
+            step_timeout: None,
             vocab_size: 0,
         },
         Box::new(CycleBackend {

@@ -30,6 +30,7 @@ use super::lora::{
     Unregister,
 };
 use super::scheduler::{GetStats, SchedulerActor, SetSpeculative, SetTiers, SwapPolicy};
+use super::step_watch::{RunningCall, StepStall, StepWatch};
 use super::tokenizer::{Constrain, Decode, Encode, EncodeBadWords, TokenizerActor};
 use crate::core::{AsyncScheduling, EngineCoreConfig, StepCore, SubmitOptions};
 use crate::metric_names as names;
@@ -73,6 +74,9 @@ pub struct EngineConfig {
     /// The added tokens' text written in chat messages is encoded as text, not as the tokens
     /// (`model.message_special_tokens: text`; see `switchyard_gpu::model::content_escape`).
     pub message_tokens_as_text: bool,
+    /// How long one backend call may run before the engine counts as stalled
+    /// (`scheduler.step_timeout_s`; `None`: no limit). See [`super::step_watch`].
+    pub step_timeout: Option<std::time::Duration>,
 }
 
 /// A prompt as the client gave it.
@@ -374,6 +378,8 @@ pub struct Engine {
     backend_alive: Arc<AtomicBool>,
     /// Set once the executor's thread dropped the backend ([`Engine::backend_released`]).
     backend_released: BackendReleased,
+    /// The executor's backend call under way and the limit on it ([`Engine::stall`]).
+    step_watch: StepWatch,
     /// Set by [`Engine::fail_in_flight`]: no request is admitted any more.
     closed: Arc<AtomicBool>,
     /// The tokenizer, for the text of beam search answers (made once the search ends).
@@ -432,10 +438,14 @@ impl Engine {
         let alive = backend_alive.clone();
         let backend_released = BackendReleased::default();
         let released = backend_released.clone();
+        let step_watch = StepWatch::new(config.step_timeout);
+        step_watch.start_reporter();
+        let watch = step_watch.clone();
         let executor = SyncArbiter::start(1, move || {
             ExecutorActor::new(slot.lock().unwrap_or_else(|p| p.into_inner()).take())
                 .reporting_to(alive.clone())
                 .releasing(released.clone())
+                .watched_by(watch.clone())
         });
         let vocab = tokenizer.vocab_size().max(config.vocab_size);
         let tok = tokenizer.clone();
@@ -510,6 +520,7 @@ impl Engine {
             salts: std::collections::hash_map::RandomState::new(),
             backend_alive,
             backend_released,
+            step_watch,
             closed: Arc::new(AtomicBool::new(false)),
             tokenizer: tokenizer_for_text,
         })
@@ -554,6 +565,31 @@ impl Engine {
     /// it does not recover from (every step then fails; the process should be restarted).
     pub fn is_alive(&self) -> bool {
         self.backend_alive.load(Ordering::Acquire)
+    }
+
+    /// The backend call under way, if one has run past the limit (`scheduler.step_timeout_s`):
+    /// the engine is stalled (a device or driver hang, or a deadlock in the backend, or a
+    /// step that is just very slow). It stops being one when the call returns (or the limit
+    /// is raised); nothing is cancelled meanwhile.
+    pub fn stall(&self) -> Option<StepStall> {
+        self.step_watch.stall()
+    }
+
+    /// The backend call under way and how long it has run; `None` while the executor waits
+    /// for work.
+    pub fn backend_call(&self) -> Option<RunningCall> {
+        self.step_watch.running()
+    }
+
+    /// The limit on one backend call in force (`None`: none).
+    pub fn step_timeout(&self) -> Option<std::time::Duration> {
+        self.step_watch.limit()
+    }
+
+    /// Puts a new limit on one backend call in force (a reload of `scheduler.step_timeout_s`;
+    /// `None`: none); it applies to the call under way too.
+    pub fn set_step_timeout(&self, limit: Option<std::time::Duration>) {
+        self.step_watch.set_limit(limit);
     }
 
     /// Set once the executor's thread has dropped the backend, which it does once the
@@ -1449,8 +1485,9 @@ mod tests {
 
     use super::*;
     use crate::actors::detokenizer::rejection;
+    use crate::actors::step_watch::BackendCall;
     use crate::structured::STRUCTURED_OUTPUT_PARAM;
-    use crate::testing::{abc_tokenizer, CountingBackend, PROMPT_LOGPROB_ROWS};
+    use crate::testing::{abc_tokenizer, CountingBackend, GatedBackend, PROMPT_LOGPROB_ROWS};
 
     /// A client's request and a beam search's first step are bounded by their tier's
     /// `max_queue_ms`; the search's later steps, work of a request admitted once, are not.
@@ -1537,8 +1574,19 @@ mod tests {
     fn engine_with_scheduler(
         scheduler: SchedulerConfig,
     ) -> (Engine, Arc<Mutex<HashMap<u64, usize>>>) {
-        let tokenizer = abc_tokenizer();
         let fed = Arc::new(Mutex::new(HashMap::new()));
+        let backend = Box::new(CountingBackend(fed.clone()));
+        (engine_on(scheduler, backend, None), fed)
+    }
+
+    /// An engine on `backend` with the scheduler's configuration and a limit on one backend
+    /// call.
+    fn engine_on(
+        scheduler: SchedulerConfig,
+        backend: Box<dyn Backend>,
+        step_timeout: Option<Duration>,
+    ) -> Engine {
+        let tokenizer = abc_tokenizer();
         let config = EngineConfig {
             scheduler,
             hash_key: [1, 2],
@@ -1552,13 +1600,72 @@ mod tests {
             vocab_size: 3,
             prefix_sharing_by_tenant: true,
             message_tokens_as_text: true,
+            step_timeout,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])
             .unwrap();
-        let backend = Box::new(CountingBackend(fed.clone()));
-        let engine = Engine::start(config, backend, tokenizer, None, policy).unwrap();
-        (engine, fed)
+        Engine::start(config, backend, tokenizer, None, policy).unwrap()
+    }
+
+    /// Yields to the actors until `check` answers, at most 30 s (a guard against a hang,
+    /// generous for a loaded machine).
+    async fn wait_for<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(answer) = check() {
+                return answer;
+            }
+            assert!(Instant::now() < deadline, "{what}: not within 30 s");
+            actix::clock::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A step that does not return stalls the engine once it has run past the limit (an
+    /// engine idle for longer is not stalled: no call runs), the request in flight is left
+    /// alone, and the stall ends when the step returns.
+    #[actix::test]
+    async fn a_step_past_the_limit_stalls_the_engine_until_it_returns() {
+        let limit = Duration::from_secs(1);
+        let (entered_tx, entered) = channel();
+        let (gate, gate_rx) = channel();
+        let backend = GatedBackend {
+            inner: CountingBackend(Arc::default()),
+            entered: entered_tx,
+            gate: gate_rx,
+        };
+        let engine = engine_on(
+            SchedulerConfig {
+                num_gpu_blocks: 64,
+                block_size: 4,
+                max_model_len: 64,
+                ..SchedulerConfig::default()
+            },
+            Box::new(backend),
+            Some(limit),
+        );
+        assert_eq!(engine.step_timeout(), Some(limit));
+        actix::clock::sleep(limit + Duration::from_millis(100)).await;
+        assert_eq!(engine.backend_call(), None, "idle");
+        assert_eq!(engine.stall(), None, "an idle engine is not stalled");
+
+        let (sink, rx) = recorder();
+        assert!(admit(&engine, 4, Some(1), sink).is_ok());
+        wait_for("the step begins", || entered.try_recv().ok()).await;
+        let running = engine.backend_call().expect("the step runs");
+        assert_eq!(running.call, BackendCall::Execute);
+        let stall = wait_for("the stall", || engine.stall()).await;
+        assert_eq!(stall.running.call, BackendCall::Execute);
+        assert_eq!(stall.limit, limit);
+        assert!(stall.running.running > limit, "{stall:?}");
+
+        // Released, the step's request completes: the stall failed nothing.
+        drop(gate);
+        prompt_then_length(&rx, 4, 1).await;
+        wait_for("the end of the stall", || {
+            engine.stall().is_none().then_some(())
+        })
+        .await;
     }
 
     fn options(max_tokens: Option<u32>) -> RequestOptions {

@@ -8,6 +8,7 @@ use actix::{Actor, Handler, Message, SyncContext};
 use switchyard_gpu::backend::{Backend, Batch, SeqOutput};
 use switchyard_gpu::GpuError;
 
+use super::step_watch::{BackendCall, StepWatch};
 use crate::core::KvCopies;
 
 /// A batch's outputs and the time the backend took, so the scheduler can tell its own
@@ -143,6 +144,8 @@ pub struct ExecutorActor {
     alive: Option<Arc<AtomicBool>>,
     /// Set once the backend is dropped (with the actor).
     released: Option<BackendReleased>,
+    /// Where each backend call's start and end are marked (the engine's stall watch).
+    watch: Option<StepWatch>,
 }
 
 impl Drop for ExecutorActor {
@@ -160,7 +163,15 @@ impl ExecutorActor {
             submitted: 0,
             alive: None,
             released: None,
+            watch: None,
         }
+    }
+
+    /// Marks the start and end of every backend call in `watch`, so that a call that does not
+    /// return is seen from other threads ([`StepWatch::stall`]).
+    pub fn watched_by(mut self, watch: StepWatch) -> Self {
+        self.watch = Some(watch);
+        self
     }
 
     /// Sets `released` once the backend is dropped, with the actor.
@@ -176,13 +187,15 @@ impl ExecutorActor {
         self
     }
 
-    /// Runs `f` on the backend; see [`contained`].
+    /// Runs `f` on the backend, marked in the stall watch as `call`; see [`contained`].
     fn call<T>(
         &mut self,
-        call: &str,
+        call: BackendCall,
         f: impl FnOnce(&mut dyn Backend) -> Result<T, GpuError>,
     ) -> Result<T, GpuError> {
-        let result = contained(&mut self.backend, call, f);
+        let timing = self.watch.as_ref().map(|w| w.begin(call));
+        let result = contained(&mut self.backend, call.as_str(), f);
+        drop(timing);
         if self.backend.is_none() {
             if let Some(alive) = &self.alive {
                 alive.store(false, Ordering::Release);
@@ -196,14 +209,14 @@ impl ExecutorActor {
         if copies.iter().all(KvCopies::is_empty) {
             return Ok(());
         }
-        self.call("copy_kv", |b| KvCopies::run_all(copies, b))
+        self.call(BackendCall::CopyKv, |b| KvCopies::run_all(copies, b))
     }
 
     /// Frees the state of the finished sequences in `release` (every batch message carries
     /// them, to be released before the batch runs). A failure here is logged, not the step's.
     fn release(&mut self, release: Vec<u64>) {
         for id in release {
-            if let Err(e) = self.call("release", |b| {
+            if let Err(e) = self.call(BackendCall::Release, |b| {
                 b.release(id);
                 Ok(())
             }) {
@@ -263,7 +276,7 @@ impl Handler<Execute> for ExecutorActor {
         self.release(msg.release);
         let start = std::time::Instant::now();
         self.copy_kv(&msg.kv_copies)?;
-        let outputs = self.call("execute", |b| b.execute(&msg.batch))?;
+        let outputs = self.call(BackendCall::Execute, |b| b.execute(&msg.batch))?;
         Ok(Executed {
             outputs,
             execute_us: start.elapsed().as_micros() as u64,
@@ -279,7 +292,7 @@ impl Handler<SubmitStep> for ExecutorActor {
         self.release(msg.release);
         let start = std::time::Instant::now();
         self.copy_kv(&msg.kv_copies)?;
-        self.call("submit", |b| b.submit(&msg.batch))?;
+        self.call(BackendCall::Submit, |b| b.submit(&msg.batch))?;
         self.submitted += 1;
         Ok(Submitted {
             batch: msg.batch,
@@ -293,7 +306,7 @@ impl Handler<CollectStep> for ExecutorActor {
 
     fn handle(&mut self, _: CollectStep, _: &mut SyncContext<Self>) -> Self::Result {
         let start = std::time::Instant::now();
-        let outputs = self.call("collect", |b| b.collect());
+        let outputs = self.call(BackendCall::Collect, |b| b.collect());
         self.submitted = self.submitted.saturating_sub(1);
         Ok(Collected {
             outputs: outputs?,
@@ -319,7 +332,7 @@ impl Handler<DiscardSteps> for ExecutorActor {
             if self.backend.is_none() {
                 continue;
             }
-            if let Err(e) = self.call("collect", |b| b.collect()) {
+            if let Err(e) = self.call(BackendCall::Collect, |b| b.collect()) {
                 tracing::warn!(error = %e, "dropping a submitted step failed");
             }
         }

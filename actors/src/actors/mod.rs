@@ -21,6 +21,7 @@ mod executor;
 mod lora;
 mod lora_dirs;
 mod scheduler;
+mod step_watch;
 mod tokenizer;
 
 pub(crate) use detokenizer::rejection as detokenizer_rejection;
@@ -32,3 +33,4 @@ pub use engine::{
 pub use executor::BackendReleased;
 pub use lora::{AdapterInfo, AdapterUser, LoraError, LoraManagerConfig};
 pub use lora_dirs::{FOUND_TTL, MAX_DIR_ENTRIES};
+pub use step_watch::{BackendCall, RunningCall, StepStall};

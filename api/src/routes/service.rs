@@ -207,24 +207,33 @@ pub(crate) async fn detokenize(
     Ok(HttpResponse::Ok().json(DetokenizeResponse { prompt }))
 }
 
-/// `GET /health`: 200 while the process is alive and its engine can serve (503 once the
-/// engine's backend was retired, so an orchestrator restarts the process).
-pub(crate) async fn health(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
+/// Whether the engine can serve: an error once its backend was retired, and while a backend
+/// call has run past its limit (stalled).
+fn check_engine(state: &ApiState) -> Result<(), ApiError> {
     if !state.engine.is_alive() {
         return Err(engine_dead());
     }
+    match state.engine.stall() {
+        Some(stall) => Err(ApiError::EngineStalled(stall)),
+        None => Ok(()),
+    }
+}
+
+/// `GET /health`: 200 while the process is alive and its engine can serve: 503 once the
+/// engine's backend was retired, and 503 `engine_stalled` while a backend call has run past
+/// `scheduler.step_timeout_s`, so that an orchestrator restarts the process.
+pub(crate) async fn health(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
+    check_engine(&state)?;
     Ok(HttpResponse::Ok().finish())
 }
 
-/// `GET /ready`: 200 once the engine is ready, 503 before, while draining, and once the engine
-/// cannot serve.
+/// `GET /ready`: 200 once the engine is ready, 503 before, while draining, once the engine
+/// cannot serve and while it is stalled.
 pub(crate) async fn ready(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {
     if state.is_draining() {
         return Err(ApiError::Draining);
     }
-    if !state.engine.is_alive() {
-        return Err(engine_dead());
-    }
+    check_engine(&state)?;
     if !state.engine.is_ready() {
         return Err(ApiError::Engine(EngineError::new(
             EngineErrorKind::Unavailable,

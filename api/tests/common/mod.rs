@@ -27,8 +27,8 @@ use actix_web::http::StatusCode;
 use actix_web::{test, App};
 use switchyard_api::engine::{
     ChatEnding, ChatMessage, Delta, Engine, EngineError, EngineErrorKind, EngineEvent,
-    EngineFuture, Finish, FinishReason, GenerateRequest, LoraAdapterInfo, PolicyInfo, PolicySpec,
-    PolicySwap, PromptInput, SpeculativeSettings, StructuredOutputSpec, TokenLogprob,
+    EngineFuture, EngineStall, Finish, FinishReason, GenerateRequest, LoraAdapterInfo, PolicyInfo,
+    PolicySpec, PolicySwap, PromptInput, SpeculativeSettings, StructuredOutputSpec, TokenLogprob,
     TokenizeInput, TopLogprob, STRUCTURED_OUTPUT_PARAM,
 };
 use switchyard_api::{ApiConfig, ApiKeyEntry, ApiState};
@@ -56,6 +56,8 @@ pub struct EchoEngine {
     pub ready: AtomicBool,
     /// `Engine::is_alive`.
     pub alive: AtomicBool,
+    /// `Engine::stall`.
+    pub stall: Mutex<Option<EngineStall>>,
     pub overloaded: AtomicBool,
     /// Accept requests but never finish them; the senders are kept here.
     pub hang: AtomicBool,
@@ -85,6 +87,7 @@ impl EchoEngine {
             max_model_len: 64,
             ready: AtomicBool::new(true),
             alive: AtomicBool::new(true),
+            stall: Mutex::new(None),
             overloaded: AtomicBool::new(false),
             hang: AtomicBool::new(false),
             fail_mid_stream: AtomicBool::new(false),
@@ -313,6 +316,10 @@ impl Engine for EchoEngine {
 
     fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
+    }
+
+    fn stall(&self) -> Option<EngineStall> {
+        self.stall.lock().unwrap().clone()
     }
 
     fn submit(

@@ -152,6 +152,7 @@ mod tests {
             vocab_size: 2,
             prefix_sharing_by_tenant: true,
             message_tokens_as_text: true,
+            step_timeout: None,
         };
         let policy = PolicyRegistry::with_builtins()
             .create("fcfs", &serde_yaml::Value::Null, &[])

@@ -1,5 +1,5 @@
-//! SIGHUP: the configuration file is read again and its policy, `lora.adapters`, API keys and
-//! tiers applied.
+//! SIGHUP: the configuration file is read again and its policy, `lora.adapters`, API keys,
+//! tiers and `scheduler.step_timeout_s` applied.
 //!
 //! Reloads run one at a time, in the order of their signals (an async mutex is held for the
 //! whole of one), and each is all or nothing up to the adapters: a file that does not load,
@@ -273,6 +273,17 @@ impl Reloader {
             }
         }
         self.apply_access(&mut state, keys, effective, max_pending);
+        let limit = cfg.scheduler.step_timeout(self.adapter.device_backend);
+        let before = self.adapter.engine.step_timeout();
+        if limit != before {
+            self.adapter.engine.set_step_timeout(limit);
+            let secs = |l: Option<std::time::Duration>| l.map_or(0, |l| l.as_secs());
+            tracing::info!(
+                "SIGHUP: scheduler.step_timeout_s: {} -> {}",
+                secs(before),
+                secs(limit)
+            );
+        }
         // A change of lora.enabled is among the fields that take a restart.
         if self.adapter.lora_enabled && cfg.lora.enabled {
             self.reconcile_adapters(&mut state, &cfg.lora.adapters)
@@ -567,6 +578,7 @@ fn restart_fields(old: &Config, new: &Config, open: bool) -> Vec<String> {
         new.server.api_keys_file = old.server.api_keys_file.clone();
     }
     new.server.max_pending_requests = old.server.max_pending_requests;
+    new.scheduler.step_timeout_s = old.scheduler.step_timeout_s;
     new.tiers = old.tiers.clone();
     let value = |c: &Config| serde_yaml::to_value(c).unwrap_or(serde_yaml::Value::Null);
     let mut out = Vec::new();
@@ -627,7 +639,7 @@ mod tests {
         let old = config("lora: { enabled: true }\nscheduler: { policy: { name: fcfs } }\n");
         let same = config(
             "lora: { enabled: true, adapters: [{ name: a, path: /a }] }\n\
-             scheduler: { policy: { name: priority } }\n",
+             scheduler: { policy: { name: priority }, step_timeout_s: 60 }\n",
         );
         assert!(restart_fields(&old, &same, true).is_empty());
         let changed = config(
