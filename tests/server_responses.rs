@@ -449,10 +449,6 @@ fn what_cannot_be_honoured_is_refused_by_name() {
             "reasoning.summary",
         ),
         (
-            json!({"input": "x", "background": true, "stream": true}),
-            "background",
-        ),
-        (
             json!({"input": "x", "include": ["reasoning.encrypted_content"]}),
             "include[0]",
         ),
@@ -691,9 +687,9 @@ fn stored_responses_continue_are_retrieved_and_stay_with_their_tenant() {
     // Retrieved as it was sent; another tenant gets the unknown id's 404.
     let path1 = format!("/v1/responses/{id1}");
     assert_eq!(call(&s, "GET", &path1, None, ALICE), (200, first.clone()));
-    // `stream=false` is the object; `stream=true` (the openai SDK's `retrieve(id, stream=True)`,
-    // which would read the object as a stream of no events) and the other parameters OpenAI
-    // takes are refused naming themselves.
+    // `stream=false` is the object; `stream=true` (the openai SDK's `retrieve(id, stream=True)`)
+    // is refused for a response not created in the background, as OpenAI refuses it, and the
+    // other parameters OpenAI takes are refused naming themselves.
     let query = |q: &str| call(&s, "GET", &format!("{path1}?{q}"), None, ALICE);
     assert_eq!(query("stream=false"), (200, first.clone()));
     for (q, param) in [
@@ -1197,4 +1193,244 @@ fn a_foreground_response_cannot_take_the_name_of_a_running_background_one() {
     let r = background(&s);
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(poll(&s, "resp_reused-name-2")["background"], true);
+}
+
+/// A streamed answer read event by event from its connection.
+struct EventReader {
+    reader: std::io::BufReader<std::net::TcpStream>,
+    /// Text read past the last whole frame.
+    text: String,
+}
+
+impl EventReader {
+    /// Sends the request, checks its 200 and reads its headers.
+    fn open(s: &Server, method: &str, path: &str, body: Option<&str>) -> Self {
+        use std::io::{BufRead, Read};
+        let mut reader = std::io::BufReader::new(s.open(method, path, body));
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("status line");
+        if !line.starts_with("HTTP/1.1 200") {
+            let mut rest = String::new();
+            let _ = reader.read_to_string(&mut rest);
+            panic!("{line}{rest}");
+        }
+        loop {
+            line.clear();
+            reader.read_line(&mut line).expect("header");
+            if line.trim_end().is_empty() {
+                break;
+            }
+        }
+        Self {
+            reader,
+            text: String::new(),
+        }
+    }
+
+    /// The events read, frame by frame from the chunked body, until `enough` holds of them
+    /// (or the body ends).
+    fn until(&mut self, enough: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        use std::io::{BufRead, Read};
+        let mut line = String::new();
+        let mut events = Vec::new();
+        while !enough(&events) {
+            line.clear();
+            if self.reader.read_line(&mut line).expect("chunk size") == 0 {
+                // The connection closed without the body's last chunk.
+                break;
+            }
+            let size = usize::from_str_radix(line.trim(), 16).expect("chunk size");
+            if size == 0 {
+                break;
+            }
+            let mut chunk = vec![0; size + 2];
+            self.reader.read_exact(&mut chunk).expect("chunk");
+            self.text
+                .push_str(std::str::from_utf8(&chunk[..size]).expect("utf-8"));
+            while let Some(end) = self.text.find("\n\n") {
+                let frame: String = self.text.drain(..end + 2).collect();
+                if frame.starts_with(':') {
+                    continue;
+                }
+                let data = frame
+                    .trim_end()
+                    .split_once("\ndata: ")
+                    .map(|(_, d)| d.to_owned())
+                    .unwrap_or_else(|| panic!("{frame:?}"));
+                events.push(serde_json::from_str(&data).expect("event json"));
+            }
+        }
+        events
+    }
+}
+
+/// `GET /v1/responses/{id}?stream=true` with `query`: its events, each read into async-openai's
+/// event type.
+fn replay(s: &Server, id: &str, query: &str) -> Vec<Value> {
+    let r = s
+        .request(
+            "GET",
+            &format!("/v1/responses/{id}?stream=true{query}"),
+            None,
+            &[],
+        )
+        .expect("GET stream");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    r.body
+        .split_terminator("\n\n")
+        .filter(|frame| !frame.starts_with(':'))
+        .map(|frame| {
+            let (event, data) = frame
+                .strip_prefix("event: ")
+                .and_then(|f| f.split_once("\ndata: "))
+                .unwrap_or_else(|| panic!("not an event frame: {frame:?}"));
+            let v: Value = serde_json::from_str(data).expect("json");
+            assert_eq!(v["type"], event);
+            let typed: Result<ResponseStreamEvent, _> = serde_json::from_value(v.clone());
+            assert!(
+                typed.is_ok(),
+                "not an OpenAI event ({:?}): {v}",
+                typed.err()
+            );
+            v
+        })
+        .collect()
+}
+
+/// `background` with `stream` (the openai SDKs' `responses.stream(background=True)`): the
+/// events stream as the response runs; the client hanging up leaves it running (no engine
+/// request aborted), and a resume after the last event read (`retrieve(id, stream=True,
+/// starting_after=N)`) gets the rest: joined, the events are numbered 0, 1, 2, ... without a
+/// gap and are what one uninterrupted stream gives (a replay from the start), ending with the
+/// response stored.
+#[test]
+fn a_background_stream_resumes_after_a_dropped_connection() {
+    let s = server();
+    let aborted = s.metric("switchyard:request_aborted_total").unwrap_or(0.0);
+    let body = json!({"input": "Count from 1 to 200, one number per line.", "background": true,
+                      "stream": true, "max_output_tokens": 200, "temperature": 0})
+    .to_string();
+    let mut reader = EventReader::open(&s, "POST", "/v1/responses", Some(&body));
+    let deltas = |events: &[Value]| {
+        events
+            .iter()
+            .filter(|e| e["type"] == "response.output_text.delta")
+            .count()
+    };
+    let before = reader.until(|events| deltas(events) >= 3);
+    assert_eq!(
+        types(&before[..3]),
+        [
+            "response.created",
+            "response.queued",
+            "response.in_progress"
+        ]
+    );
+    assert_eq!(before[0]["response"]["status"], "queued");
+    let id = before[0]["response"]["id"].as_str().expect("id").to_owned();
+    // The client hangs up mid-stream.
+    drop(reader);
+    let last = before.last().unwrap()["sequence_number"].as_u64().unwrap();
+    let after = replay(&s, &id, &format!("&starting_after={last}"));
+    let stored = poll(&s, &id);
+    let status = stored["status"].as_str().unwrap_or("").to_owned();
+    assert!(status == "completed" || status == "incomplete", "{stored}");
+    let mut joined = before.clone();
+    joined.extend(after);
+    for (i, e) in joined.iter().enumerate() {
+        assert_eq!(e["sequence_number"], json!(i), "{e}");
+    }
+    assert_eq!(joined, replay(&s, &id, ""), "one stream from the start");
+    let end = joined.last().unwrap();
+    assert_eq!(end["type"], format!("response.{status}"));
+    assert_eq!(end["response"], stored);
+    let text: String = joined
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, output_text(&stored));
+    let read_before: usize = before
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .map(|e| e["delta"].as_str().unwrap().len())
+        .sum();
+    assert!(text.len() > read_before, "it ran on after the client left");
+    assert_eq!(
+        s.metric("switchyard:request_aborted_total").unwrap_or(0.0),
+        aborted,
+        "no engine request was aborted"
+    );
+    // A resume past the last event ends at once; a foreground response cannot be streamed.
+    assert!(replay(&s, &id, "&starting_after=100000").is_empty());
+    let fg = ok(&s, &json!({"input": "Hi", "max_output_tokens": 2}));
+    let (status, v) = s.call_json(
+        "GET",
+        &format!("/v1/responses/{}?stream=true", fg["id"].as_str().unwrap()),
+        None,
+        &[],
+    );
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("stream")),
+        "{v}"
+    );
+}
+
+/// A drain ends a background stream as it ends our other streams: past the drain timeout the
+/// response fails with the drain's `unavailable` error, which ends its stream and every
+/// resumed one as an `error` event numbered next, and the server exits 0.
+#[test]
+fn a_drain_ends_background_streams_with_the_drains_error() {
+    let mut s = Server::start_with("responses-drain", "  drain_timeout_s: 2\n", "");
+    // An answer of 2000 digits at least (a token each): it runs far past the drain timeout.
+    let schema = json!({"type": "object", "additionalProperties": false, "required": ["d"],
+                        "properties": {"d": {"type": "string", "pattern": "^[0-9]{2000}$"}}});
+    let body = json!({"input": "Write many digits.", "background": true, "stream": true,
+                      "max_output_tokens": 6000,
+                      "text": {"format": {"type": "json_schema", "name": "digits",
+                                          "schema": schema}}})
+    .to_string();
+    let mut reader = EventReader::open(&s, "POST", "/v1/responses", Some(&body));
+    let before = reader.until(|events| {
+        events
+            .iter()
+            .any(|e| e["type"] == "response.output_text.delta")
+    });
+    let id = before[0]["response"]["id"].as_str().expect("id").to_owned();
+    // A second reader follows from the last event read.
+    let last = before.last().unwrap()["sequence_number"].as_u64().unwrap();
+    let path = format!("/v1/responses/{id}?stream=true&starting_after={last}");
+    let mut resumed = EventReader::open(&s, "GET", &path, None);
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &s.child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let rest = reader.until(|_| false);
+    let followed = resumed.until(|_| false);
+    let end = rest
+        .last()
+        .unwrap_or_else(|| panic!("no events after the drain began; resumed: {followed:?}"));
+    assert_eq!(
+        (&end["type"], &end["code"]),
+        (&json!("error"), &json!("unavailable")),
+        "{end}"
+    );
+    assert_eq!(followed.last(), Some(end), "the resumed stream ends alike");
+    let mut joined = before;
+    joined.extend(rest);
+    for (i, e) in joined.iter().enumerate() {
+        assert_eq!(e["sequence_number"], json!(i), "{e}");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let code = loop {
+        if let Some(code) = s.child.try_wait().expect("wait") {
+            break code;
+        }
+        assert!(std::time::Instant::now() < deadline, "server did not exit");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(code.success(), "exit status {code:?}\n{}", s.log());
 }

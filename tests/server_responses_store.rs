@@ -140,8 +140,41 @@ fn stored_responses_survive_a_restart_and_a_second_server_is_refused() {
         "{err}"
     );
 
+    // A background stream's response: its events are kept in memory only.
+    let body = json!({"input": "Hi.", "max_output_tokens": 4, "background": true,
+                      "stream": true})
+    .to_string();
+    let streamed = s
+        .request("POST", "/v1/responses", Some(&body), &[ALICE])
+        .expect("stream");
+    assert_eq!(streamed.status, 200, "{}", streamed.body);
+    let last_event = streamed
+        .body
+        .trim_end()
+        .rsplit("\ndata: ")
+        .next()
+        .expect("an event");
+    let ended: Value = serde_json::from_str(last_event).expect("json");
+    let bg_path = format!(
+        "/v1/responses/{}",
+        ended["response"]["id"].as_str().expect("id")
+    );
+    let replay = s
+        .request("GET", &format!("{bg_path}?stream=true"), None, &[ALICE])
+        .expect("replay");
+    assert_eq!((replay.status, &replay.body), (200, &streamed.body));
+
     stop(s);
     let s = start("store-b", &store);
+    // The background stream's response is back, its events are not: streaming it is a 400.
+    let (status, back) = s.call_json("GET", &bg_path, None, &[ALICE]);
+    assert_eq!((status, &back), (200, &ended["response"]));
+    let (status, refused) = s.call_json("GET", &format!("{bg_path}?stream=true"), None, &[ALICE]);
+    assert_eq!(
+        (status, refused["error"]["param"].as_str()),
+        (400, Some("stream")),
+        "{refused}"
+    );
     // Every response is back as it was sent, with its tenant; the deleted one stays deleted.
     for (id, sent, who) in [(&id1, &first, ALICE), (&id2, &second, ALICE)] {
         assert_eq!(

@@ -70,7 +70,8 @@ pub const HTTP_IN_FLIGHT: &str = "switchyard:http_requests_in_flight";
 /// Gauge: responses of the Responses API kept for `GET /v1/responses/{id}` and
 /// `previous_response_id`.
 pub const RESPONSES_STORED: &str = "switchyard:responses_stored";
-/// Gauge, bytes: what the stored responses count against `server.responses.max_stored_mb`.
+/// Gauge, bytes: what the stored responses (and the kept events of background streams, running
+/// ones included) count against `server.responses.max_stored_mb`.
 pub const RESPONSES_STORED_BYTES: &str = "switchyard:responses_stored_bytes";
 /// Counter, label `reason` (`count`, `bytes`, `age`): stored responses let go to keep the
 /// store within its bounds.
@@ -570,7 +571,7 @@ pub fn describe_metrics() {
     describe_gauge!(
         RESPONSES_STORED_BYTES,
         Unit::Bytes,
-        "Bytes the stored responses count against the store's bound."
+        "Bytes the stored responses, and the kept events of background streams, count against the store's bound."
     );
     describe_counter!(
         RESPONSES_EVICTED,

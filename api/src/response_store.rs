@@ -11,7 +11,9 @@
 //! response counts its object and the serialized items of its whole conversation, so what the
 //! store keeps alive, shared turns included, never exceeds the bound), and an age. The least
 //! recently used response leaves first when a bound would be passed; one response larger than
-//! the byte bound is not kept. Every operation is O(log n).
+//! the byte bound is not kept. Every operation is O(log n). A background response created with
+//! `stream` keeps its events with it ([`events`]): counted against the byte bound too, while it
+//! runs and once stored, and never journaled.
 //!
 //! Responses are kept per tenant: a response is found only by requests of the tenant that
 //! created it (an open server is one tenant), and another tenant's id reads as unknown, so
@@ -40,8 +42,10 @@ use crate::metrics::{
     RESPONSES_EVICTED, RESPONSES_JOURNAL_ERRORS, RESPONSES_STORED, RESPONSES_STORED_BYTES,
 };
 
+pub mod events;
 pub mod journal;
 
+pub use events::{EventLog, Read};
 pub use journal::{ensure_directory, JournalError};
 
 /// Most turns in one conversation chained by `previous_response_id`.
@@ -162,6 +166,8 @@ pub struct StoredResponse {
     pub response: Value,
     /// Its conversation.
     pub turn: Arc<Turn>,
+    /// Its events, for a background response created with `stream` (see [`events`]).
+    pub events: Option<Arc<EventLog>>,
 }
 
 /// Whether [`ResponseStore::insert`] kept the response.
@@ -185,7 +191,10 @@ fn key(tenant: &str, id: &str) -> Key {
 
 struct Entry {
     stored: StoredResponse,
+    /// What it counts against the byte bound, its events' included.
     bytes: usize,
+    /// Of which its events'.
+    event_bytes: usize,
     at: Instant,
     /// When it was stored, in milliseconds since the Unix epoch (the journal's clock).
     at_ms: u64,
@@ -199,7 +208,12 @@ struct Inner {
     /// Recency: the least recently used first.
     order: BTreeMap<u64, Key>,
     next_tick: u64,
+    /// What the stored responses count, their events' included.
     bytes: usize,
+    /// Of which the stored responses' events' (not journaled).
+    event_bytes: usize,
+    /// What the events of running background responses count ([`events`]).
+    live_bytes: usize,
 }
 
 impl Inner {
@@ -217,12 +231,13 @@ impl Inner {
         let e = self.entries.remove(key)?;
         self.order.remove(&e.tick);
         self.bytes -= e.bytes;
+        self.event_bytes -= e.event_bytes;
         Some(e)
     }
 
     fn publish(&self) {
         metrics::gauge!(RESPONSES_STORED).set(self.entries.len() as f64);
-        metrics::gauge!(RESPONSES_STORED_BYTES).set(self.bytes as f64);
+        metrics::gauge!(RESPONSES_STORED_BYTES).set((self.bytes + self.live_bytes) as f64);
     }
 }
 
@@ -340,7 +355,7 @@ impl ResponseStore {
     /// Asks the journal's writer to compact its log when dead records outweigh the live ones.
     fn maybe_compact(&self, inner: &Inner) {
         if let Some(journal) = &self.journal {
-            if journal.wants_compaction(inner.bytes) {
+            if journal.wants_compaction(inner.bytes - inner.event_bytes) {
                 journal.compact(journal::snapshot(inner));
             }
         }
@@ -355,11 +370,28 @@ impl ResponseStore {
     /// the tenant's `id` held, and lets the least recently used responses go while a bound is
     /// passed.
     pub fn insert(&self, id: &str, tenant: &str, response: Value, turn: Arc<Turn>) -> Kept {
-        self.insert_at(
+        self.insert_with_events(id, tenant, response, turn, None)
+    }
+
+    /// [`ResponseStore::insert`] with the response's events: an ended log counts in the
+    /// entry's bytes from here on (no longer among the running logs'), a running one is only
+    /// referred to. An entry too large with its events is kept without them.
+    pub fn insert_with_events(
+        &self,
+        id: &str,
+        tenant: &str,
+        response: Value,
+        turn: Arc<Turn>,
+        events: Option<Arc<EventLog>>,
+    ) -> Kept {
+        self.insert_entry(
             id,
             tenant,
-            response,
-            turn,
+            StoredResponse {
+                response,
+                turn,
+                events,
+            },
             Instant::now(),
             journal::unix_ms(),
         )
@@ -374,21 +406,54 @@ impl ResponseStore {
         now: Instant,
         now_ms: u64,
     ) -> Kept {
+        let stored = StoredResponse {
+            response,
+            turn,
+            events: None,
+        };
+        self.insert_entry(id, tenant, stored, now, now_ms)
+    }
+
+    fn insert_entry(
+        &self,
+        id: &str,
+        tenant: &str,
+        mut stored: StoredResponse,
+        now: Instant,
+        now_ms: u64,
+    ) -> Kept {
         if !self.limits.enabled() {
+            if let Some(log) = &stored.events {
+                self.release_events(log);
+            }
             return Kept::Disabled;
         }
-        let bytes = json_len(&response)
-            .saturating_add(turn.chain_bytes)
+        let bytes = json_len(&stored.response)
+            .saturating_add(stored.turn.chain_bytes)
             .saturating_add(id.len() + tenant.len());
         if bytes > self.limits.max_bytes {
+            if let Some(log) = &stored.events {
+                self.release_events(log);
+            }
             return Kept::TooLarge;
         }
         let key = key(tenant, id);
         let mut inner = self.inner.lock();
+        let mut event_bytes = match &stored.events {
+            Some(log) => events::move_into_entry(&mut inner.live_bytes, log),
+            None => 0,
+        };
+        if bytes.saturating_add(event_bytes) > self.limits.max_bytes {
+            // Kept without its events (`move_into_entry` stopped counting them as running).
+            stored.events = None;
+            event_bytes = 0;
+        }
+        let bytes = bytes + event_bytes;
+        let (response, turn) = (&stored.response, &stored.turn);
         let replaced = inner.remove(&key);
         self.expire(&mut inner, now);
         while inner.entries.len() >= self.limits.max_responses
-            || inner.bytes + bytes > self.limits.max_bytes
+            || inner.bytes + inner.live_bytes + bytes > self.limits.max_bytes
         {
             let reason = if inner.entries.len() >= self.limits.max_responses {
                 "count"
@@ -408,7 +473,7 @@ impl ResponseStore {
             // Its name's earlier response, replaced in memory, is deleted from the log if the
             // log holds it (not if it was running too: a background response's `queued` and
             // `in_progress` states write nothing, and its end one put).
-            if running(&response) {
+            if running(response) {
                 if replaced.is_some_and(|e| !running(&e.stored.response)) {
                     self.journal_delete(&key);
                 }
@@ -418,22 +483,24 @@ impl ResponseStore {
                     id: id.to_owned(),
                     at_ms: now_ms,
                     response: response.clone(),
-                    turn: Arc::clone(&turn),
+                    turn: Arc::clone(turn),
                 };
                 // What the queued record keeps alive: its object and, should the store let the
-                // response go meanwhile, its conversation.
-                journal.offer(journal::Op::Put(put), bytes);
+                // response go meanwhile, its conversation (not its events).
+                journal.offer(journal::Op::Put(put), bytes - event_bytes);
             }
         }
         let tick = inner.next_tick;
         inner.next_tick += 1;
         inner.order.insert(tick, key.clone());
         inner.bytes += bytes;
+        inner.event_bytes += event_bytes;
         inner.entries.insert(
             key,
             Entry {
-                stored: StoredResponse { response, turn },
+                stored,
                 bytes,
+                event_bytes,
                 at: now,
                 at_ms: now_ms,
                 tick,

@@ -213,6 +213,25 @@ await check('responses stored: retrieve, previous_response_id, input_items, dele
   const gone = await raises(() => client.responses.retrieve(first.id), OpenAI.NotFoundError, 'not found');
   return `chained (${second.usage.input_tokens} in), ${gone}`;
 });
+await check('responses background stream: dropped, resumed (retrieve starting_after), replayed (stream response_id)', async () => {
+  const first = [];
+  for await (const e of await client.responses.create({ model: M, input: 'Count to 10.', background: true, stream: true, max_output_tokens: 100, temperature: 0 })) {
+    first.push(e);
+    if (first.filter((x) => x.type === 'response.output_text.delta').length >= 3) break;
+  }
+  const id = first[0].response.id;
+  const last = first.at(-1).sequence_number;
+  const rest = [];
+  for await (const e of await client.responses.retrieve(id, { stream: true, starting_after: last })) rest.push(e);
+  const all = [...first, ...rest];
+  expect(all.every((e, i) => e.sequence_number === i), all.map((e) => e.sequence_number));
+  const text = all.filter((e) => e.type === 'response.output_text.delta').map((e) => e.delta).join('');
+  const replayed = await client.responses.stream({ response_id: id }).finalResponse();
+  expect(replayed.output_text === text && replayed.id === id, { text, replayed });
+  const fg = await client.responses.create({ model: M, input: 'Hi', max_output_tokens: 2 });
+  const refused = await raises(async () => { for await (const _ of await client.responses.retrieve(fg.id, { stream: true })); }, OpenAI.BadRequestError, 'only a background response');
+  return `${all.length} events, resumed after ${last}, foreground ${refused}`;
+});
 await check('embeddings.create (default base64, float)', async () => {
   // Without encodingFormat the SDK asks for base64 and decodes it itself.
   const input = ['The capital of France is Paris.', 'Bananas are yellow.'];

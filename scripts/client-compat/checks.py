@@ -548,8 +548,31 @@ def sdk_background():
     return f"polled to {r.status}, cancelled another"
 
 
+def sdk_background_stream():
+    first = []
+    for e in sdk.responses.create(model=MODEL, input="Count to 10.", background=True, stream=True,
+                                  max_output_tokens=100, temperature=0):
+        first.append(e)
+        if sum(1 for x in first if x.type == "response.output_text.delta") >= 3:
+            break  # the client hangs up; the response runs on
+    rid, last = first[0].response.id, first[-1].sequence_number
+    rest = list(sdk.responses.retrieve(rid, stream=True, starting_after=last))
+    seqs = [e.sequence_number for e in first + rest]
+    expect(seqs == list(range(len(seqs))), f"{seqs}")
+    text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")
+    with sdk.responses.stream(response_id=rid) as s:  # the helper replays from the start
+        final = s.get_final_response()
+    expect(final.id == rid and final.output_text == text, f"{final} {text!r}")
+    fg = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    raises(lambda: list(sdk.responses.retrieve(fg.id, stream=True)), openai.BadRequestError,
+           "only a background response")
+    return f"{len(seqs)} events, resumed after {last}, foreground refused"
+
+
 check("openai-python include output_text.logprobs (+ stream)", sdk_logprobs)
 check("openai-python background: poll retrieve, cancel", sdk_background)
+check("openai-python background stream: dropped, resumed (starting_after), replayed (response_id)",
+      sdk_background_stream)
 check("openai-python stored: retrieve, previous_response_id, input_items, delete", sdk_stored)
 
 

@@ -9,7 +9,12 @@
 //!
 //! `background: true` answers at once with the stored response `queued`; a task holding the
 //! request's in-flight mark runs it and stores its end (`completed`, `incomplete`, or `failed`
-//! with its error); `POST .../cancel` and `DELETE` abort a running one (`cancelled`).
+//! with its error); `POST .../cancel` and `DELETE` abort a running one (`cancelled`). With
+//! `stream: true` too, the task keeps the response's events ([`EventLog`]) and the answer
+//! streams them; a client that hangs up leaves the response running, and
+//! `GET /v1/responses/{id}?stream=true&starting_after=N` replays its events after `N` and follows
+//! the live ones ([`replay`]). Its stream opens with `response.created` and `response.queued`
+//! (the response `queued`) before `response.in_progress`.
 //!
 //! The request is read as a chat request ([`crate::schema::responses`]), validated and run as
 //! chat runs it (the same template, tool prompt and call reader, structured output, limits,
@@ -52,7 +57,7 @@ use crate::engine::FinishReason;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::response_store::{
-    ForegroundName, Kept, ResponseStore, StoredResponse, Turn, MAX_CHAIN_DEPTH,
+    EventLog, ForegroundName, Kept, ResponseStore, StoredResponse, Turn, MAX_CHAIN_DEPTH,
 };
 use crate::schema::responses::{
     rename_error, IncompleteDetails, OutputItem, OutputLogprob, OutputText, ReasoningText,
@@ -62,6 +67,8 @@ use crate::schema::truncation::{drop_oldest_messages, Fitted};
 use crate::schema::{ToolCallDelta, Usage};
 use crate::sse::{event_frame, sse_response, ChunkWriter};
 use crate::state::{request_id, unix_now, ApiState, InFlight};
+
+mod replay;
 
 /// Handles `POST /v1/responses`.
 pub(crate) async fn create_response(
@@ -192,7 +199,7 @@ pub(crate) async fn create_response(
     };
     if echo.background {
         return Ok(run_in_background(
-            &state, generation, reader, template, keep, in_flight,
+            &state, generation, reader, template, keep, in_flight, stream,
         ));
     }
     let writer = ResponseWriter {
@@ -211,7 +218,8 @@ pub(crate) async fn create_response(
 /// Starts a background response: it is stored at once as `queued` (the answer), runs in a task
 /// holding its in-flight mark (a drain waits for it), and is stored again when it ends
 /// (`completed`, `incomplete` or `failed`, with its error); `POST .../cancel` or `DELETE` end it
-/// early (`cancelled`).
+/// early (`cancelled`). With `stream`, the task keeps its events in an [`EventLog`] (stored with
+/// it) and the answer streams them from the first; the client hanging up ends only its stream.
 fn run_in_background(
     state: &ApiState,
     generation: Generation,
@@ -219,6 +227,7 @@ fn run_in_background(
     mut template: ResponseObject,
     keep: Option<Keep>,
     in_flight: InFlight,
+    stream: bool,
 ) -> HttpResponse {
     let Some(keep) = keep else {
         // Refused before the generation started; kept total for safety.
@@ -241,35 +250,77 @@ fn run_in_background(
         .error_response();
     };
     template.status = "queued";
-    keep.keep_copy(&template);
+    let events = stream.then(EventLog::new);
+    keep.keep_copy(&template, events.clone());
     let queued = template.clone();
     let writer = ResponseWriter {
         reader,
-        builder: Builder::new(template.clone(), false),
+        builder: Builder::new(template.clone(), stream),
         keep: None,
     };
+    let log = events.clone();
     actix_web::rt::spawn(async move {
-        let ended = Abortable::new(collect(generation, writer), registration).await;
-        drop(in_flight);
-        let Ok(ended) = ended else {
-            // Cancelled: the canceller stored it.
+        // However the task ends, its events end and stop counting as a running response's.
+        let _ending = log.clone().map(|log| EndEvents {
+            store: Arc::clone(&store),
+            log,
+        });
+        let record = |frames: Vec<Bytes>| {
+            if let Some(log) = &log {
+                store.record_events(log, frames, false);
+            }
+        };
+        let ended = Abortable::new(run_response(generation, writer, record), registration).await;
+        let Ok((ended, last)) = ended else {
+            // Cancelled: the canceller ended its events and stored it.
             return;
         };
         if !store.finish_background(&keep.tenant, &template.id, run) {
             return;
         }
+        // The last events (the response's end, or its error) go in once the run is known not
+        // cancelled: a cancelled response's events end with the cancel's.
+        if let Some(log) = &log {
+            store.record_events(log, last, true);
+        }
         match ended {
-            Ok(response) => keep.keep(&response),
+            Ok(response) => keep.keep_with(&response, log),
             Err(e) => {
                 let body = e.to_body().error;
                 template.status = "failed";
                 template.error =
                     Some(json!({"code": body.code.unwrap_or(body.kind), "message": body.message}));
-                keep.keep(&template);
+                keep.keep_with(&template, log);
             }
         }
+        // Until here: a drain waits for the end to be stored and its last events written.
+        drop(in_flight);
     });
-    HttpResponse::Ok().json(queued)
+    match events {
+        Some(log) => replay::stream_events(log, 0),
+        None => HttpResponse::Ok().json(queued),
+    }
+}
+
+/// Ends a background response's events however its task ends (a task dropped with the server
+/// ends them with an `error` event), and stops counting them as a running response's: kept by
+/// the task while it runs.
+struct EndEvents {
+    store: Arc<ResponseStore>,
+    log: Arc<EventLog>,
+}
+
+impl Drop for EndEvents {
+    fn drop(&mut self) {
+        self.store.end_events(&self.log, |sequence| {
+            replay::error_event(
+                sequence,
+                "response_interrupted",
+                "The response ended without its last event: the server stopped running it.",
+            )
+        });
+        self.store.release_events(&self.log);
+    }
 }
 
 /// Logprobs in the stream events' shape (the openai SDK's `ResponseTextDeltaEvent`: no
@@ -346,47 +397,21 @@ fn find(state: &ApiState, principal: &Principal, id: &str) -> Result<StoredRespo
 }
 
 /// Handles `GET /v1/responses/{id}`: the stored response object, as it was sent (for a
-/// stream, its `response.completed` or `response.incomplete` event's).
+/// stream, its `response.completed` or `response.incomplete` event's); with `stream=true`, the
+/// events of a background response created with `stream` after `starting_after`, then the live
+/// ones ([`replay`]).
 pub(crate) async fn retrieve_response(
     state: web::Data<ApiState>,
     principal: web::ReqData<Principal>,
     id: web::Path<String>,
     req: HttpRequest,
 ) -> Result<HttpResponse, ApiError> {
-    check_retrieve_query(req.query_string())?;
+    let query = replay::RetrieveQuery::parse(req.query_string())?;
     let stored = find(&state, &principal, &id)?;
-    Ok(HttpResponse::Ok().json(stored.response))
-}
-
-/// `GET /v1/responses/{id}`'s query: OpenAI's `stream=true` (the response's events replayed,
-/// or followed while it runs in the background, from `starting_after`) is not served, nor its
-/// `include` (the stored object is returned as it was sent): a 400 naming the parameter, rather
-/// than a JSON body where the client waits for events (the openai SDK's
-/// `responses.retrieve(id, stream=True)` would read it as a stream of no events). `stream=false`
-/// is what is served.
-fn check_retrieve_query(query: &str) -> Result<(), ApiError> {
-    let pairs = web::Query::<Vec<(String, String)>>::from_query(query)
-        .map_err(|_| ApiError::invalid("query", "the query string is not valid"))?
-        .into_inner();
-    for (name, value) in pairs {
-        match name.as_str() {
-            "stream" if value == "false" => {}
-            "stream" => {
-                return Err(ApiError::invalid(
-                    "stream",
-                    "streaming a stored response (stream=true) is not supported: GET it without \
-                     stream for the response object",
-                ))
-            }
-            other => {
-                return Err(unsupported_query_parameter(
-                    other,
-                    "only stream=false (the response object as it was sent)",
-                ))
-            }
-        }
+    if query.stream {
+        return replay::stream_stored(&stored, query.starting_after, state.responses.limits());
     }
-    Ok(())
+    Ok(HttpResponse::Ok().json(stored.response))
 }
 
 /// The 400 of a query parameter a route does not take, naming it (its first 64 characters)
@@ -405,8 +430,16 @@ pub(crate) async fn delete_response(
     principal: web::ReqData<Principal>,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    // A background response still running ends with it.
-    state.responses.cancel_background(&principal.tenant, &id);
+    // A background response still running ends with it, and so do its events.
+    let events = state
+        .responses
+        .get(&principal.tenant, &id)
+        .and_then(|stored| stored.events);
+    if state.responses.cancel_background(&principal.tenant, &id) {
+        if let Some(log) = &events {
+            state.responses.end_events(log, replay::cancelled_event);
+        }
+    }
     if !state.responses.remove(&principal.tenant, &id) {
         return Err(ApiError::ResponseNotFound(shown(&id)));
     }
@@ -431,11 +464,19 @@ pub(crate) async fn cancel_response(
             },
         ));
     }
+    // Its streams end with the cancel's `error` event.
+    if let Some(log) = &stored.events {
+        state.responses.end_events(log, replay::cancelled_event);
+    }
     let mut response = stored.response;
     response["status"] = json!("cancelled");
-    state
-        .responses
-        .insert(&id, &principal.tenant, response.clone(), stored.turn);
+    state.responses.insert_with_events(
+        &id,
+        &principal.tenant,
+        response.clone(),
+        stored.turn,
+        stored.events,
+    );
     Ok(HttpResponse::Ok().json(response))
 }
 
@@ -558,8 +599,9 @@ struct Keep {
 }
 
 impl Keep {
-    /// Stores `response` as it is now, keeping what a later [`Keep::keep`] needs.
-    fn keep_copy(&self, response: &ResponseObject) {
+    /// Stores `response` as it is now with `events` (a running background response's),
+    /// keeping what a later [`Keep::keep`] needs.
+    fn keep_copy(&self, response: &ResponseObject, events: Option<Arc<EventLog>>) {
         Keep {
             store: Arc::clone(&self.store),
             tenant: self.tenant.clone(),
@@ -567,16 +609,24 @@ impl Keep {
             parent: self.parent.clone(),
             _name: None,
         }
-        .keep(response);
+        .keep_with(response, events);
     }
 
     fn keep(self, response: &ResponseObject) {
+        self.keep_with(response, None);
+    }
+
+    /// Stores `response` with its events, if kept.
+    fn keep_with(self, response: &ResponseObject, events: Option<Arc<EventLog>>) {
         let output = response.output.iter().map(|item| json!(item)).collect();
         let turn = Arc::new(Turn::new(self.input, output, self.parent));
-        match self
-            .store
-            .insert(&response.id, &self.tenant, json!(response), turn)
-        {
+        match self.store.insert_with_events(
+            &response.id,
+            &self.tenant,
+            json!(response),
+            turn,
+            events,
+        ) {
             Kept::Yes | Kept::Disabled => {}
             Kept::TooLarge => tracing::warn!(
                 response_id = %response.id,
@@ -637,10 +687,17 @@ impl Builder {
         std::mem::take(&mut self.events)
     }
 
-    /// `response.created` and `response.in_progress`.
+    /// `response.created` and `response.in_progress`; for a response `queued` (a background
+    /// one), `response.created` and `response.queued` with it so, then `response.in_progress`
+    /// with it running.
     fn opening(&mut self) {
-        let response = json!(self.response);
+        let mut response = json!(self.response);
         self.emit("response.created", json!({ "response": response }));
+        if self.response.status == "queued" {
+            self.emit("response.queued", json!({ "response": response }));
+            self.response.status = "in_progress";
+            response = json!(self.response);
+        }
         self.emit("response.in_progress", json!({ "response": response }));
     }
 
@@ -995,18 +1052,43 @@ impl ChunkWriter for ResponseWriter {
 }
 
 async fn collect(
+    generation: Generation,
+    writer: ResponseWriter,
+) -> Result<ResponseObject, ApiError> {
+    run_response(generation, writer, |_| {}).await.0
+}
+
+/// Runs the answer through `writer` to its end: the response (or the error that ended it),
+/// and, when the builder writes events, its last ones (the response's end, or the `error`
+/// event) held back for the caller; `record` takes the others as they come, the opening first.
+async fn run_response(
     mut generation: Generation,
     mut writer: ResponseWriter,
-) -> Result<ResponseObject, ApiError> {
+    mut record: impl FnMut(Vec<Bytes>),
+) -> (Result<ResponseObject, ApiError>, Vec<Bytes>) {
+    if writer.builder.stream {
+        writer.builder.opening();
+        record(writer.builder.take());
+    }
     let mut reason = FinishReason::Stop;
     let mut completion_tokens = 0u32;
     while let Some(delta) = generation.next().await {
-        let delta = delta?;
+        let delta = match delta {
+            Ok(delta) => delta,
+            Err(e) => {
+                writer.builder.error(&e);
+                return (Err(e), writer.builder.take());
+            }
+        };
         if let Some(finish) = &delta.delta.finish {
             completion_tokens = completion_tokens.saturating_add(finish.completion_tokens);
         }
         if let Some(r) = writer.push(delta) {
             reason = r;
+        }
+        let events = writer.builder.take();
+        if !events.is_empty() {
+            record(events);
         }
     }
     let usage = ResponseUsage::new(
@@ -1019,7 +1101,8 @@ async fn collect(
     if let Some(keep) = writer.keep.take() {
         keep.keep(&writer.builder.response);
     }
-    Ok(writer.builder.response)
+    let last = writer.builder.take();
+    (Ok(writer.builder.response), last)
 }
 
 #[cfg(test)]
@@ -1085,29 +1168,6 @@ mod tests {
                 name: name.map(str::to_owned),
                 arguments: arguments.to_owned(),
             },
-        }
-    }
-
-    /// Retrieval serves the stored object only: `stream=true` and the other query parameters
-    /// OpenAI takes are refused naming themselves, `stream=false` and none are served.
-    #[test]
-    fn retrieval_refuses_streaming_and_other_parameters() {
-        for query in ["", "stream=false"] {
-            assert_eq!(check_retrieve_query(query), Ok(()), "{query}");
-        }
-        for (query, param) in [
-            ("stream=true", "stream"),
-            ("stream=1", "stream"),
-            ("stream=false&starting_after=3", "starting_after"),
-            ("include[]=message.output_text.logprobs", "include[]"),
-            ("include_obfuscation=false", "include_obfuscation"),
-        ] {
-            match check_retrieve_query(query) {
-                Err(ApiError::InvalidRequest { param: p, .. }) => {
-                    assert_eq!(p.as_deref(), Some(param), "{query}")
-                }
-                other => panic!("{query}: {other:?}"),
-            }
         }
     }
 

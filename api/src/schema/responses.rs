@@ -83,8 +83,9 @@ pub struct ResponsesRequest {
     /// `{effort, summary}`: `effort` one of OpenAI's values (checked; as chat's
     /// `reasoning_effort`, read by no model here), `summary` null (none are written); echoed.
     pub reasoning: Option<Value>,
-    /// Run in the background: answered at once (`queued`), read back with `GET` (needs
-    /// `store`; not with `stream`).
+    /// Run in the background: answered at once (`queued`), or with `stream` its events as they
+    /// come (resumable with `GET ?stream=true&starting_after=`); read back with `GET` (needs
+    /// `store`).
     pub background: Option<bool>,
     /// Refused when not empty: no extra output can be included.
     pub include: Option<Value>,
@@ -205,13 +206,6 @@ impl ResponsesRequest {
                 "background",
                 "background = true needs store = true: a background response is read back with \
                  GET /v1/responses/{id}",
-            ));
-        }
-        if background && self.stream == Some(true) {
-            return Err(invalid(
-                "background",
-                "background = true with stream = true is not supported: create the response in \
-                 the background and poll GET /v1/responses/{id}, or stream it in the foreground",
             ));
         }
         if set(&self.prompt) {
@@ -1654,10 +1648,6 @@ mod tests {
             (json!({"input": "x", "reasoning": "high"}), "reasoning"),
             (
                 json!({"input": "x", "background": true, "store": false}),
-                "background",
-            ),
-            (
-                json!({"input": "x", "background": true, "stream": true}),
                 "background",
             ),
             (json!({"input": "x", "prompt": {"id": "p"}}), "prompt"),

@@ -1,0 +1,277 @@
+//! The events of background responses created with `stream: true`, kept so that
+//! `GET /v1/responses/{id}?stream=true&starting_after=N` can replay them and follow the live
+//! ones (OpenAI's resumable streams).
+//!
+//! An [`EventLog`] holds one response's SSE frames, each one event, in sequence-number order
+//! from its `first` kept one. Its task appends as the response runs ([`ResponseStore::record_events`]);
+//! readers hold a cursor (the next sequence number) and are woken on each change, so a slow
+//! reader costs no memory of its own: it reads the shared frames at its pace.
+//!
+//! Memory is bounded twice, both against the store's byte bound (`server.responses.max_stored_mb`):
+//! - one response keeps at most [`StoreLimits::max_event_bytes`] of events (an eighth of the
+//!   bound), its oldest events leaving first; a resume from before the oldest kept event is
+//!   refused, and a reader that fell that far behind is cut off with an `error` event;
+//! - the events of running responses count with the stored responses against the bound: the
+//!   least recently used stored responses leave to make room, then the growing log's own oldest
+//!   events (one event always stays, so a log may pass its bound by its last event). Once the
+//!   response has ended its events move into its stored entry, counted in its bytes, and leave
+//!   with it (evicted, expired or deleted); an ended response is stored even where the running
+//!   logs leave less room than it takes, so the total may pass the bound by that one response.
+//!
+//! Logs are in memory only: the journal keeps the ended response, not its events, so after a
+//! restart a stored response can be read back but not streamed.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use super::{Inner, ResponseStore, StoreLimits, RESPONSES_EVICTED};
+
+/// One response's kept events (see the module docs).
+pub struct EventLog {
+    state: Mutex<LogState>,
+    /// Bumped on every change, to wake the readers.
+    changed: watch::Sender<()>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct LogState {
+    frames: VecDeque<Bytes>,
+    /// The sequence number of `frames[0]`.
+    first: u64,
+    /// The frames' bytes.
+    bytes: usize,
+    /// Its last event is in: nothing more is appended.
+    ended: bool,
+    /// Its bytes count among the store's running logs' ([`super::Inner::live_bytes`]): until
+    /// it moves into a stored entry or is released.
+    live: bool,
+}
+
+impl LogState {
+    /// The sequence number the next event would take.
+    fn end(&self) -> u64 {
+        self.first + self.frames.len() as u64
+    }
+
+    /// Drops the oldest frame: the bytes it freed.
+    fn pop(&mut self) -> usize {
+        let Some(frame) = self.frames.pop_front() else {
+            return 0;
+        };
+        self.first += 1;
+        self.bytes -= frame.len();
+        frame.len()
+    }
+}
+
+/// What a reader at a sequence number finds ([`EventLog::read`]).
+#[derive(Debug, PartialEq)]
+pub enum Read {
+    /// The next events, and the sequence number after them.
+    Frames(Vec<Bytes>, u64),
+    /// Nothing yet: wait for a change ([`EventLog::subscribe`]).
+    Wait,
+    /// Nothing more: the log has ended.
+    Ended,
+    /// The events from the reader's on are no longer kept: the oldest kept one is this.
+    Behind(u64),
+}
+
+impl std::fmt::Debug for EventLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.state.lock();
+        f.debug_struct("EventLog")
+            .field("first", &state.first)
+            .field("events", &state.frames.len())
+            .field("bytes", &state.bytes)
+            .field("ended", &state.ended)
+            .finish()
+    }
+}
+
+impl EventLog {
+    /// An empty log of a response about to run: its bytes count among the running logs'.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(LogState {
+                live: true,
+                ..LogState::default()
+            }),
+            changed: watch::channel(()).0,
+        })
+    }
+
+    /// A receiver marked changed at each change of the log: mark it seen
+    /// (`borrow_and_update`) before [`EventLog::read`], then wait on `changed()`.
+    pub fn subscribe(&self) -> watch::Receiver<()> {
+        self.changed.subscribe()
+    }
+
+    /// The events from sequence number `next` on, at most `max_frames` and about `max_bytes`
+    /// (at least one).
+    pub fn read(&self, next: u64, max_frames: usize, max_bytes: usize) -> Read {
+        let state = self.state.lock();
+        if next < state.first {
+            return Read::Behind(state.first);
+        }
+        if next >= state.end() {
+            return if state.ended { Read::Ended } else { Read::Wait };
+        }
+        let skip = usize::try_from(next - state.first).unwrap_or(usize::MAX);
+        let mut bytes = 0usize;
+        let frames: Vec<Bytes> = state
+            .frames
+            .iter()
+            .skip(skip)
+            .take(max_frames.max(1))
+            .take_while(|f| {
+                let first = bytes == 0;
+                bytes = bytes.saturating_add(f.len());
+                first || bytes <= max_bytes
+            })
+            .cloned()
+            .collect();
+        let after = next + frames.len() as u64;
+        Read::Frames(frames, after)
+    }
+
+    /// The oldest kept event's sequence number, and the next one's.
+    pub fn span(&self) -> (u64, u64) {
+        let state = self.state.lock();
+        (state.first, state.end())
+    }
+
+    /// Whether its last event is in.
+    pub fn has_ended(&self) -> bool {
+        self.state.lock().ended
+    }
+
+    /// Its bytes now.
+    pub fn bytes(&self) -> usize {
+        self.state.lock().bytes
+    }
+
+    pub(super) fn lock(&self) -> parking_lot::MutexGuard<'_, LogState> {
+        self.state.lock()
+    }
+
+    fn wake(&self) {
+        self.changed.send_replace(());
+    }
+}
+
+impl StoreLimits {
+    /// Most bytes of events one background response keeps: an eighth of the store's byte
+    /// bound.
+    pub fn max_event_bytes(&self) -> usize {
+        self.max_bytes / 8
+    }
+}
+
+/// Counts an ended log's bytes in the stored entry that takes it ([`ResponseStore::insert`]
+/// with events): the bytes the entry counts for it (0 for a log still running, whose bytes
+/// count among the running logs').
+pub(super) fn move_into_entry(live_bytes: &mut usize, log: &EventLog) -> usize {
+    let mut state = log.lock();
+    if !state.ended {
+        return 0;
+    }
+    if state.live {
+        *live_bytes -= state.bytes;
+        state.live = false;
+    }
+    state.bytes
+}
+
+impl ResponseStore {
+    /// Appends `frames`, the next events of running `log` in order (`last`: its last ones),
+    /// counting their bytes (see the module docs for the bounds, and what leaves to keep them).
+    /// A log that has ended (cancelled meanwhile) takes nothing more.
+    pub fn record_events(&self, log: &EventLog, frames: Vec<Bytes>, last: bool) {
+        let mut inner = self.inner.lock();
+        let mut state = log.lock();
+        if state.ended {
+            return;
+        }
+        self.append(&mut inner, &mut state, frames, last);
+        drop(state);
+        inner.publish();
+        drop(inner);
+        log.wake();
+    }
+
+    /// Ends `log` with the event `last` writes for its next sequence number, unless it has
+    /// ended: a cancelled response's, or one whose task ended without its last event.
+    pub fn end_events(&self, log: &EventLog, last: impl FnOnce(u64) -> Bytes) {
+        let mut inner = self.inner.lock();
+        let mut state = log.lock();
+        if state.ended {
+            return;
+        }
+        let frame = last(state.end());
+        self.append(&mut inner, &mut state, vec![frame], true);
+        drop(state);
+        inner.publish();
+        drop(inner);
+        log.wake();
+    }
+
+    fn append(&self, inner: &mut Inner, state: &mut LogState, frames: Vec<Bytes>, last: bool) {
+        let added: usize = frames.iter().map(Bytes::len).sum();
+        state.frames.extend(frames);
+        state.bytes += added;
+        if state.live {
+            inner.live_bytes += added;
+        }
+        let cap = self.limits.max_event_bytes();
+        // The last event always stays: a reader that kept up still gets it.
+        while state.bytes > cap && state.frames.len() > 1 {
+            let freed = state.pop();
+            if state.live {
+                inner.live_bytes -= freed;
+            }
+        }
+        while state.live && inner.bytes + inner.live_bytes > self.limits.max_bytes {
+            if let Some((_, oldest)) = inner.order.first_key_value() {
+                let oldest = oldest.clone();
+                inner.remove(&oldest);
+                self.journal_delete(&oldest);
+                metrics::counter!(RESPONSES_EVICTED, "reason" => "bytes").increment(1);
+            } else if state.frames.len() > 1 {
+                let freed = state.pop();
+                inner.live_bytes -= freed;
+            } else {
+                break;
+            }
+        }
+        state.ended = last;
+    }
+
+    /// Stops counting `log` among the running logs (its task ended and no stored entry took
+    /// it: the response was deleted, or its end was too large to keep).
+    pub fn release_events(&self, log: &EventLog) {
+        let mut inner = self.inner.lock();
+        let mut state = log.lock();
+        if state.live {
+            inner.live_bytes -= state.bytes;
+            state.live = false;
+        }
+        state.ended = true;
+        drop(state);
+        inner.publish();
+        drop(inner);
+        log.wake();
+    }
+
+    /// Bytes the events of running background responses count now.
+    pub fn live_event_bytes(&self) -> usize {
+        self.inner.lock().live_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,225 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::json;
+
+use super::*;
+use crate::response_store::{Kept, Turn};
+
+fn store(max_bytes: usize) -> ResponseStore {
+    ResponseStore::new(StoreLimits {
+        max_responses: 100,
+        max_bytes,
+        max_age: Some(Duration::from_secs(3600)),
+        ..StoreLimits::default()
+    })
+}
+
+/// An event of exactly `len` bytes holding its number.
+fn event(sequence: u64, len: usize) -> Bytes {
+    let mut text = format!("{sequence}:");
+    assert!(text.len() <= len);
+    text.extend(std::iter::repeat_n('x', len - text.len()));
+    Bytes::from(text)
+}
+
+fn events(range: std::ops::Range<u64>, len: usize) -> Vec<Bytes> {
+    range.map(|i| event(i, len)).collect()
+}
+
+fn turn() -> Arc<Turn> {
+    Arc::new(Turn::new(vec![json!("in")], vec![json!("out")], None))
+}
+
+/// Everything readable from `next` on, in batches of at most `batch` events.
+fn read_all(log: &EventLog, mut next: u64, batch: usize) -> (Vec<Bytes>, Read) {
+    let mut out = Vec::new();
+    loop {
+        match log.read(next, batch, usize::MAX) {
+            Read::Frames(frames, after) => {
+                assert_eq!(after, next + frames.len() as u64);
+                next = after;
+                out.extend(frames);
+            }
+            other => return (out, other),
+        }
+    }
+}
+
+/// Events are read back exactly from any sequence number on, in batches of any size; past
+/// the last one a reader waits while the log runs, and finds it ended after its last event.
+#[test]
+fn a_log_replays_from_any_point_then_waits_then_ends() {
+    let s = store(1 << 20);
+    let log = EventLog::new();
+    s.record_events(&log, events(0..5, 10), false);
+    for from in 0..=5 {
+        for batch in [1, 2, 100] {
+            let (got, then) = read_all(&log, from, batch);
+            assert_eq!(got, events(from..5, 10), "from {from}, batch {batch}");
+            assert_eq!(then, Read::Wait);
+        }
+    }
+    // Past the last event: a reader follows (waits for what comes).
+    assert_eq!(log.read(1000, 10, 100), Read::Wait);
+    s.record_events(&log, events(5..7, 10), true);
+    assert_eq!(read_all(&log, 3, 2), (events(3..7, 10), Read::Ended));
+    assert_eq!(log.read(1000, 10, 100), Read::Ended);
+    // Nothing more once ended.
+    s.record_events(&log, events(7..8, 10), false);
+    assert_eq!(log.span(), (0, 7));
+    // A batch stops at its byte budget, but always carries one event.
+    assert_eq!(
+        log.read(0, 100, 25),
+        Read::Frames(events(0..2, 10), 2),
+        "two of 10 bytes fit 25"
+    );
+    assert_eq!(log.read(0, 100, 1), Read::Frames(events(0..1, 10), 1));
+}
+
+/// A reader waiting on a log is woken by an append and by its end.
+#[test]
+fn readers_are_woken_by_each_change() {
+    let s = store(1 << 20);
+    let log = EventLog::new();
+    let mut changes = log.subscribe();
+    changes.borrow_and_update();
+    assert!(!changes.has_changed().unwrap());
+    s.record_events(&log, events(0..1, 10), false);
+    assert!(changes.has_changed().unwrap());
+    changes.borrow_and_update();
+    s.end_events(&log, |n| event(n, 10));
+    assert!(changes.has_changed().unwrap());
+    assert_eq!(read_all(&log, 0, 10), (events(0..2, 10), Read::Ended));
+}
+
+/// One response keeps at most an eighth of the store's bytes of events: the oldest leave
+/// first, and a reader behind them is told where the kept ones start.
+#[test]
+fn a_log_keeps_its_last_eighth_of_the_store() {
+    let s = store(8000);
+    assert_eq!(s.limits().max_event_bytes(), 1000);
+    let log = EventLog::new();
+    s.record_events(&log, events(0..250, 10), false);
+    assert_eq!(log.span(), (150, 250));
+    assert_eq!(log.bytes(), 1000);
+    assert_eq!(s.live_event_bytes(), 1000);
+    assert_eq!(log.read(149, 10, 1000), Read::Behind(150));
+    assert_eq!(read_all(&log, 150, 7).0, events(150..250, 10));
+    // One event larger than the bound stays alone: a reader that kept up still gets it.
+    s.record_events(&log, vec![event(250, 3000)], false);
+    assert_eq!(log.span(), (250, 251));
+    assert_eq!(log.bytes(), 3000);
+}
+
+/// Running logs count against the store's byte bound: stored responses leave for them, least
+/// recently used first, then the log's own oldest events; an ended log moves into its stored
+/// entry's bytes, and leaves the count with it.
+#[test]
+fn running_logs_count_against_the_store_and_move_into_their_entry() {
+    let s = store(8000);
+    for id in ["a", "b", "c"] {
+        assert_eq!(
+            s.insert(id, "t", json!({"id": id, "pad": "p".repeat(2000)}), turn()),
+            Kept::Yes
+        );
+    }
+    let stored = s.bytes();
+    assert!(stored > 6000 && stored < 7000, "{stored}");
+    let logs: Vec<Arc<EventLog>> = (0..3).map(|_| EventLog::new()).collect();
+    // 3 x 900 bytes of events: the least recently used stored responses make room.
+    for log in &logs {
+        s.record_events(log, events(0..90, 10), false);
+    }
+    assert_eq!(s.live_event_bytes(), 2700);
+    assert!(
+        s.get("t", "a").is_none(),
+        "the least recently used left first"
+    );
+    assert!(s.get("t", "c").is_some());
+    assert!(s.bytes() + s.live_event_bytes() <= 8000);
+    // With nothing stored left to evict, a growing log drops its own oldest events.
+    s.remove("t", "b");
+    s.remove("t", "c");
+    let big: Vec<Arc<EventLog>> = (0..6).map(|_| EventLog::new()).collect();
+    for log in &big {
+        s.record_events(log, events(0..100, 10), false);
+    }
+    assert_eq!(s.live_event_bytes(), 8000);
+    assert_eq!(big[4].span(), (0, 100));
+    assert_eq!(big[5].span(), (70, 100), "the last log dropped its oldest");
+
+    // Ended and stored: the bytes move from the running logs' into the entry's.
+    for log in big.iter().chain(&logs) {
+        s.release_events(log);
+    }
+    assert_eq!(s.live_event_bytes(), 0);
+    let log = EventLog::new();
+    s.record_events(&log, events(0..50, 10), false);
+    assert_eq!(
+        s.insert_with_events("r", "t", json!({"id": "r"}), turn(), Some(Arc::clone(&log))),
+        Kept::Yes
+    );
+    assert_eq!(
+        s.live_event_bytes(),
+        500,
+        "a running log is only referred to"
+    );
+    s.record_events(&log, events(50..60, 10), true);
+    let before = s.bytes();
+    assert_eq!(
+        s.insert_with_events(
+            "r",
+            "t",
+            json!({"id": "r", "status": "completed"}),
+            turn(),
+            Some(Arc::clone(&log))
+        ),
+        Kept::Yes
+    );
+    assert_eq!(s.live_event_bytes(), 0);
+    assert!(s.bytes() >= before + 600, "{} vs {before}", s.bytes());
+    let kept = s.get("t", "r").expect("stored");
+    assert!(Arc::ptr_eq(kept.events.as_ref().expect("events"), &log));
+    s.remove("t", "r");
+    assert_eq!(s.bytes(), 0);
+}
+
+/// A log ended by a cancel gets the cancel's event numbered next, and nothing after it (the
+/// task's late events are dropped); releasing it stops its count.
+#[test]
+fn an_ended_log_takes_nothing_more() {
+    let s = store(1 << 20);
+    let log = EventLog::new();
+    s.record_events(&log, events(0..3, 10), false);
+    s.end_events(&log, |n| {
+        assert_eq!(n, 3);
+        event(n, 12)
+    });
+    s.end_events(&log, |_| panic!("ended once"));
+    s.record_events(&log, events(3..5, 10), true);
+    let (got, end) = read_all(&log, 0, 10);
+    assert_eq!(end, Read::Ended);
+    assert_eq!(got.len(), 4);
+    assert_eq!(got[3], event(3, 12));
+    assert_eq!(s.live_event_bytes(), 42);
+    s.release_events(&log);
+    s.release_events(&log);
+    assert_eq!(s.live_event_bytes(), 0);
+}
+
+/// An ended response too large to keep with its events is kept without them.
+#[test]
+fn an_entry_too_large_with_its_events_is_kept_without_them() {
+    let s = store(8000);
+    let log = EventLog::new();
+    s.record_events(&log, events(0..100, 10), true);
+    let response = json!({"id": "r", "pad": "p".repeat(7200)});
+    assert_eq!(
+        s.insert_with_events("r", "t", response, turn(), Some(log)),
+        Kept::Yes
+    );
+    assert!(s.get("t", "r").expect("kept").events.is_none());
+    assert_eq!(s.live_event_bytes(), 0);
+}

@@ -1,0 +1,307 @@
+//! Streams of background responses' kept events ([`EventLog`]): the answer to
+//! `POST /v1/responses` with `background` and `stream`, and to
+//! `GET /v1/responses/{id}?stream=true&starting_after=N` (OpenAI's resumable streams).
+//!
+//! A stream reads the log from a sequence number on: the events kept are sent at once, then
+//! each new one as it is appended, until the log has ended (its `response.completed`,
+//! `response.incomplete` or `error` event, or the `error` event of a cancel). The stream holds
+//! no events of its own, only its place in the log, so a slow reader grows no memory; one that
+//! falls behind the oldest event the log keeps is cut off with an `error` event. A client that
+//! hangs up ends its stream only: the response runs on (as the `heartbeat` comments, sent when
+//! nothing else is, let a closed connection show). A drain ends the streams as it ends the
+//! responses: with the `error` event of a response cut at the drain timeout.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use actix_web::http::header;
+use actix_web::{web, HttpResponse};
+use bytes::{Bytes, BytesMut};
+use serde_json::json;
+
+use crate::error::ApiError;
+use crate::response_store::{EventLog, Read, StoreLimits, StoredResponse};
+use crate::sse::{event_frame, HEARTBEAT, HEARTBEAT_FRAME};
+
+/// Most events one chunk of a stream carries.
+const MAX_CHUNK_EVENTS: usize = 256;
+/// About the most bytes one chunk carries (at least one event).
+const MAX_CHUNK_BYTES: usize = 64 << 10;
+
+/// `GET /v1/responses/{id}`'s query.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct RetrieveQuery {
+    /// `stream=true`: the response's events rather than its object.
+    pub(super) stream: bool,
+    /// `starting_after`: the sequence number after which the stream starts.
+    pub(super) starting_after: Option<u64>,
+}
+
+impl RetrieveQuery {
+    /// Reads `stream` (`true` or `false`) and `starting_after` (a non-negative integer, only
+    /// with `stream=true`); any other parameter (OpenAI's `include`, `include_obfuscation`) is
+    /// a 400 naming it, rather than an answer that ignores it.
+    pub(super) fn parse(query: &str) -> Result<Self, ApiError> {
+        let pairs = web::Query::<Vec<(String, String)>>::from_query(query)
+            .map_err(|_| ApiError::invalid("query", "the query string is not valid"))?
+            .into_inner();
+        let mut q = Self::default();
+        for (name, value) in pairs {
+            match name.as_str() {
+                "stream" => {
+                    q.stream = match value.as_str() {
+                        "true" => true,
+                        "false" => false,
+                        _ => return Err(ApiError::invalid("stream", "stream is true or false")),
+                    }
+                }
+                "starting_after" => {
+                    let n = value.parse::<u64>().map_err(|_| {
+                        ApiError::invalid(
+                            "starting_after",
+                            "starting_after is a non-negative integer: the sequence_number of \
+                             the last event received",
+                        )
+                    })?;
+                    q.starting_after = Some(n);
+                }
+                other => {
+                    return Err(super::unsupported_query_parameter(
+                        other,
+                        "stream (true: the events of a background response created with \
+                         stream = true) and starting_after",
+                    ))
+                }
+            }
+        }
+        if q.starting_after.is_some() && !q.stream {
+            return Err(ApiError::invalid(
+                "starting_after",
+                "starting_after needs stream=true (it says where a stream of events resumes)",
+            ));
+        }
+        Ok(q)
+    }
+}
+
+/// The stream of stored response `stored`'s events after sequence number `starting_after`
+/// (all without it), or the 400 of a response whose events cannot be streamed: not a
+/// background response (as OpenAI refuses it), one whose events are not kept (created without
+/// `stream`, or read back from the journal after a restart), or a resume from before the
+/// oldest event kept.
+pub(super) fn stream_stored(
+    stored: &StoredResponse,
+    starting_after: Option<u64>,
+    limits: StoreLimits,
+) -> Result<HttpResponse, ApiError> {
+    if stored.response["background"] != true {
+        return Err(ApiError::invalid(
+            "stream",
+            "only a background response can be streamed: this one was created with background \
+             = false (its stream ended with its request); GET it without stream for the \
+             response object",
+        ));
+    }
+    let Some(log) = &stored.events else {
+        return Err(ApiError::invalid(
+            "stream",
+            "this response's events are not kept: only those of a background response created \
+             with stream = true are, in memory (not across a restart of the server); GET it \
+             without stream for the response object",
+        ));
+    };
+    let next = starting_after.map_or(0, |n| n.saturating_add(1));
+    let (first, _) = log.span();
+    if next < first {
+        return Err(ApiError::invalid(
+            "starting_after",
+            format!(
+                "the events before sequence number {first} are no longer kept (a response keeps \
+                 its last {} bytes of events, an eighth of server.responses.max_stored_mb): \
+                 resume with starting_after {} or more, or GET the response object",
+                limits.max_event_bytes(),
+                first - 1
+            ),
+        ));
+    }
+    Ok(stream_events(Arc::clone(log), next))
+}
+
+/// A reader's place in a log.
+struct Reader {
+    log: Arc<EventLog>,
+    changes: tokio::sync::watch::Receiver<()>,
+    /// The sequence number of the next event to send.
+    next: u64,
+    /// Cut off: nothing more is sent.
+    done: bool,
+}
+
+/// Streams `log`'s events from sequence number `next` on as SSE, then the new ones as they
+/// come, until it has ended.
+pub(super) fn stream_events(log: Arc<EventLog>, next: u64) -> HttpResponse {
+    let reader = Reader {
+        changes: log.subscribe(),
+        log,
+        next,
+        done: false,
+    };
+    let body = futures_util::stream::unfold(reader, |mut r| async move {
+        if r.done {
+            return None;
+        }
+        loop {
+            // Seen before reading: a change after the read wakes the wait below.
+            r.changes.borrow_and_update();
+            match r.log.read(r.next, MAX_CHUNK_EVENTS, MAX_CHUNK_BYTES) {
+                Read::Frames(frames, after) => {
+                    r.next = after;
+                    return Some((Ok::<_, Infallible>(join(frames)), r));
+                }
+                Read::Ended => return None,
+                Read::Behind(first) => {
+                    r.done = true;
+                    let frame = cut_off_event(r.next, first);
+                    return Some((Ok(frame), r));
+                }
+                Read::Wait => {
+                    match tokio::time::timeout(HEARTBEAT, r.changes.changed()).await {
+                        Err(_) => return Some((Ok(Bytes::from_static(HEARTBEAT_FRAME)), r)),
+                        Ok(Ok(())) => {}
+                        // The log is held here, so its sender cannot be gone; end if it is.
+                        Ok(Err(_)) => return None,
+                    }
+                }
+            }
+        }
+    });
+    HttpResponse::Ok()
+        .insert_header((header::CONTENT_TYPE, "text/event-stream"))
+        .insert_header((header::CACHE_CONTROL, "no-cache"))
+        .insert_header(("X-Accel-Buffering", "no"))
+        .streaming(body)
+}
+
+fn join(frames: Vec<Bytes>) -> Bytes {
+    if frames.len() == 1 {
+        return frames.into_iter().next().unwrap_or_default();
+    }
+    let mut out = BytesMut::with_capacity(frames.iter().map(Bytes::len).sum());
+    for frame in frames {
+        out.extend_from_slice(&frame);
+    }
+    out.freeze()
+}
+
+/// OpenAI's `error` event numbered `sequence`.
+pub(super) fn error_event(sequence: u64, code: &str, message: &str) -> Bytes {
+    event_frame(
+        "error",
+        &json!({"type": "error", "sequence_number": sequence, "code": code,
+                "message": message, "param": null}),
+    )
+}
+
+/// The `error` event of a response cancelled while it ran (`POST .../cancel` or `DELETE`).
+pub(super) fn cancelled_event(sequence: u64) -> Bytes {
+    error_event(
+        sequence,
+        "response_cancelled",
+        "The response was cancelled (POST /v1/responses/{id}/cancel or DELETE) before it ended.",
+    )
+}
+
+/// The `error` event of a reader that fell behind the oldest event kept: it takes the
+/// sequence number of the event it missed.
+fn cut_off_event(missed: u64, first: u64) -> Bytes {
+    error_event(
+        missed,
+        "stream_cut_off",
+        &format!(
+            "The stream was cut off: the client read it more slowly than the response wrote \
+             it, and the events from {missed} to {} are no longer kept. Resume with \
+             starting_after={} (what came before is lost), or GET the response once it has \
+             ended.",
+            first - 1,
+            first - 1
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(query: &str) -> Result<RetrieveQuery, Option<String>> {
+        RetrieveQuery::parse(query).map_err(|e| match e {
+            ApiError::InvalidRequest { param, .. } => param,
+            other => panic!("{query}: {other:?}"),
+        })
+    }
+
+    /// `stream` and `starting_after` are read; every other parameter, a bad value, or
+    /// `starting_after` without `stream=true` is a 400 naming it.
+    #[test]
+    fn the_retrieve_query_takes_stream_and_starting_after_only() {
+        let q = |stream, starting_after| {
+            Ok(RetrieveQuery {
+                stream,
+                starting_after,
+            })
+        };
+        assert_eq!(parsed(""), q(false, None));
+        assert_eq!(parsed("stream=false"), q(false, None));
+        assert_eq!(parsed("stream=true"), q(true, None));
+        assert_eq!(parsed("stream=true&starting_after=0"), q(true, Some(0)));
+        assert_eq!(
+            parsed("starting_after=18446744073709551615&stream=true"),
+            q(true, Some(u64::MAX))
+        );
+        for (query, param) in [
+            ("stream=1", "stream"),
+            ("stream=yes", "stream"),
+            ("stream=true&starting_after=-1", "starting_after"),
+            ("stream=true&starting_after=1.5", "starting_after"),
+            ("stream=true&starting_after=", "starting_after"),
+            (
+                "stream=true&starting_after=18446744073709551616",
+                "starting_after",
+            ),
+            ("starting_after=3", "starting_after"),
+            ("stream=false&starting_after=3", "starting_after"),
+            ("include[]=message.output_text.logprobs", "include[]"),
+            (
+                "stream=true&include_obfuscation=false",
+                "include_obfuscation",
+            ),
+        ] {
+            assert_eq!(parsed(query), Err(Some(param.to_owned())), "{query}");
+        }
+    }
+
+    /// Several events go out as one chunk, byte for byte.
+    #[test]
+    fn frames_join_in_order() {
+        let frames = vec![Bytes::from_static(b"a\n\n"), Bytes::from_static(b"bc\n\n")];
+        assert_eq!(&join(frames)[..], b"a\n\nbc\n\n");
+        assert_eq!(&join(vec![Bytes::from_static(b"x")])[..], b"x");
+        assert!(join(Vec::new()).is_empty());
+    }
+
+    /// The `error` events carry OpenAI's fields (`ResponseErrorEvent`) and their number.
+    #[test]
+    fn error_events_are_openais() {
+        let frame = cancelled_event(7);
+        let text = std::str::from_utf8(&frame).unwrap();
+        let data = text
+            .strip_prefix("event: error\ndata: ")
+            .and_then(|t| t.strip_suffix("\n\n"))
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["sequence_number"], 7);
+        assert_eq!(v["code"], "response_cancelled");
+        assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(v["param"].is_null());
+    }
+}
