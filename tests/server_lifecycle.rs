@@ -375,20 +375,7 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
         &json!({"model": model, "prompt": "Hi", "max_tokens": 4}),
     );
     assert_eq!(code, 503, "{v}");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(600)))
-        .unwrap();
-    let r = common::read_response(&mut stream).expect("in-flight stream completes");
-    let events = sse_events(&r.body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    // Drained to its end, not cut off.
-    assert!(
-        events
-            .iter()
-            .any(|e| e.contains(r#""finish_reason":"length""#)),
-        "{}",
-        r.body
-    );
+    assert_streamed_to_its_end(&mut stream);
     wait_exit_zero(&mut s);
 }
 
@@ -440,19 +427,7 @@ fn sigterm_drains_a_server_running_as_pid_1_then_it_exits_zero() {
     wait_running(&s, 1);
     common::send_signal(init, libc::SIGTERM);
     wait_not_ready(&s);
-    stream
-        .set_read_timeout(Some(Duration::from_secs(600)))
-        .unwrap();
-    let r = common::read_response(&mut stream).expect("in-flight stream completes");
-    let events = sse_events(&r.body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    assert!(
-        events
-            .iter()
-            .any(|e| e.contains(r#""finish_reason":"length""#)),
-        "{}",
-        r.body
-    );
+    assert_streamed_to_its_end(&mut stream);
     // `unshare`'s status is the server's exit code.
     wait_exit_zero(&mut s);
     let log = s.log();
@@ -545,6 +520,24 @@ fn a_second_sigint_ends_the_drain_at_once() {
         "WARN",
         "second signal: ending the drain now, 1 requests cut off",
     ]);
+}
+
+/// Reads the stream in flight on `stream` to its end: `[DONE]` after a choice that ran to its
+/// length, drained rather than cut off.
+fn assert_streamed_to_its_end(stream: &mut std::net::TcpStream) {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(600)))
+        .unwrap();
+    let r = common::read_response(stream).expect("in-flight stream completes");
+    let events = sse_events(&r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert!(
+        events
+            .iter()
+            .any(|e| e.contains(r#""finish_reason":"length""#)),
+        "{}",
+        r.body
+    );
 }
 
 /// Waits (at most a minute) until `/ready` answers 503, checking it answers 200 until then.

@@ -2366,65 +2366,14 @@ mod tests {
         assert_eq!(e.step(Timestamp(1)).unwrap().num_seqs, 0);
     }
 
-    /// Counts what is recorded into `engine_pool_errors_total` (every other metric is
-    /// dropped); installed per test thread, so tests running at once do not mix.
-    #[derive(Default)]
-    struct PoolErrorRecorder(Arc<std::sync::atomic::AtomicU64>);
-
-    impl metrics::Recorder for PoolErrorRecorder {
-        fn describe_counter(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn describe_gauge(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn describe_histogram(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn register_counter(
-            &self,
-            key: &metrics::Key,
-            _: &metrics::Metadata<'_>,
-        ) -> metrics::Counter {
-            if key.name() == crate::metric_names::ENGINE_POOL_ERRORS {
-                metrics::Counter::from_arc(self.0.clone())
-            } else {
-                metrics::Counter::noop()
-            }
-        }
-        fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-            metrics::Gauge::noop()
-        }
-        fn register_histogram(
-            &self,
-            _: &metrics::Key,
-            _: &metrics::Metadata<'_>,
-        ) -> metrics::Histogram {
-            metrics::Histogram::noop()
-        }
-    }
-
     /// The planner's pool errors (core or caller bugs it absorbs) reach the engine's metric,
     /// each once, at the step that made them: here outputs resolved for a step never launched
     /// (after applying them) and a step planned with the pool detached (after planning).
     /// Before, they were visible to `check_invariants` only.
     #[test]
     fn pool_errors_are_counted_once_by_the_step_that_made_them() {
-        let recorder = PoolErrorRecorder::default();
-        let counted = recorder.0.clone();
-        let count = || counted.load(std::sync::atomic::Ordering::Relaxed);
+        let recorder = crate::testing::OneSeries::new(crate::metric_names::ENGINE_POOL_ERRORS);
+        let count = || recorder.count();
         metrics::with_local_recorder(&recorder, || {
             let mut e = engine(NextTokenBackend::default());
             let events = e

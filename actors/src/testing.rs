@@ -116,3 +116,77 @@ impl Backend for GatedBackend {
     }
     fn release(&mut self, _: u64) {}
 }
+
+/// A metrics recorder that keeps one series, the counter or gauge named `name` (a counter's
+/// count, a gauge's `f64` bits, in [`Self::cell`]), and drops every other; for a test that
+/// installs it on its thread (`metrics::with_local_recorder`), so tests running at once do not
+/// mix.
+pub(crate) struct OneSeries {
+    name: &'static str,
+    /// What was recorded into the series.
+    pub(crate) cell: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl OneSeries {
+    pub(crate) fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            cell: Arc::default(),
+        }
+    }
+
+    /// The counter's count.
+    pub(crate) fn count(&self) -> u64 {
+        self.cell.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The gauge's value.
+    pub(crate) fn gauge(&self) -> f64 {
+        f64::from_bits(self.count())
+    }
+}
+
+impl metrics::Recorder for OneSeries {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() == self.name {
+            metrics::Counter::from_arc(self.cell.clone())
+        } else {
+            metrics::Counter::noop()
+        }
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        if key.name() == self.name {
+            metrics::Gauge::from_arc(self.cell.clone())
+        } else {
+            metrics::Gauge::noop()
+        }
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}

@@ -304,8 +304,6 @@ impl StallReporter {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicU64;
-
     use super::*;
 
     const MINUTE: Duration = Duration::from_secs(60);
@@ -369,68 +367,12 @@ mod tests {
         }
     }
 
-    /// Keeps what is set into `engine_stalled` (every other metric is dropped); installed per
-    /// test thread.
-    #[derive(Default)]
-    struct StalledGauge(Arc<AtomicU64>);
-
-    impl StalledGauge {
-        fn value(&self) -> f64 {
-            f64::from_bits(self.0.load(Ordering::Acquire))
-        }
-    }
-
-    impl metrics::Recorder for StalledGauge {
-        fn describe_counter(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn describe_gauge(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn describe_histogram(
-            &self,
-            _: metrics::KeyName,
-            _: Option<metrics::Unit>,
-            _: metrics::SharedString,
-        ) {
-        }
-        fn register_counter(
-            &self,
-            _: &metrics::Key,
-            _: &metrics::Metadata<'_>,
-        ) -> metrics::Counter {
-            metrics::Counter::noop()
-        }
-        fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-            if key.name() == names::ENGINE_STALLED {
-                metrics::Gauge::from_arc(self.0.clone())
-            } else {
-                metrics::Gauge::noop()
-            }
-        }
-        fn register_histogram(
-            &self,
-            _: &metrics::Key,
-            _: &metrics::Metadata<'_>,
-        ) -> metrics::Histogram {
-            metrics::Histogram::noop()
-        }
-    }
-
     /// The reporter raises the gauge when a stall begins, keeps it while the same call runs,
     /// and lowers it when the call returns, and when a raised limit ends the stall; a new
     /// call past the limit is a new stall.
     #[test]
     fn the_reporter_keeps_the_gauge_with_the_stall() {
-        let recorder = StalledGauge::default();
+        let recorder = crate::testing::OneSeries::new(names::ENGINE_STALLED);
         metrics::with_local_recorder(&recorder, || {
             let watch = StepWatch::new(Some(MINUTE));
             let mut reporter = StallReporter::default();
@@ -438,17 +380,17 @@ mod tests {
             let now = Instant::now();
             reporter.check(&watch, now);
             assert_eq!(reporter.reported, None, "not past the limit yet");
-            assert_eq!(recorder.value(), 0.0);
+            assert_eq!(recorder.gauge(), 0.0);
             let past = now + 2 * MINUTE;
             reporter.check(&watch, past);
             assert!(reporter.reported.is_some());
-            assert_eq!(recorder.value(), 1.0, "stalled");
+            assert_eq!(recorder.gauge(), 1.0, "stalled");
             reporter.check(&watch, past + Duration::from_secs(1));
-            assert_eq!(recorder.value(), 1.0, "still stalled");
+            assert_eq!(recorder.gauge(), 1.0, "still stalled");
             drop(call);
             reporter.check(&watch, past + Duration::from_secs(2));
             assert_eq!(reporter.reported, None);
-            assert_eq!(recorder.value(), 0.0, "the call returned");
+            assert_eq!(recorder.gauge(), 0.0, "the call returned");
 
             let _call = watch.begin(BackendCall::Submit);
             let past = Instant::now() + 2 * MINUTE;
@@ -457,11 +399,11 @@ mod tests {
                 reporter.reported.map(|s| s.running.call),
                 Some(BackendCall::Submit)
             );
-            assert_eq!(recorder.value(), 1.0, "a new stall");
+            assert_eq!(recorder.gauge(), 1.0, "a new stall");
             watch.set_limit(Some(10 * MINUTE));
             reporter.check(&watch, past);
             assert_eq!(reporter.reported, None);
-            assert_eq!(recorder.value(), 0.0, "the limit was raised past the call");
+            assert_eq!(recorder.gauge(), 0.0, "the limit was raised past the call");
         });
     }
 }

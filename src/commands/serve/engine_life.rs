@@ -294,14 +294,7 @@ mod tests {
         if !is_child_for(NAME) {
             let (status, stderr) = run_in_child(NAME, Some("-TERM"), false);
             assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}: {stderr}");
-            assert!(
-                stderr.contains(
-                    "switchyard: SIGTERM: ending now, without waiting for the backend to be \
-                     released"
-                ),
-                "{stderr}"
-            );
-            assert!(!stderr.contains("without the signals"), "{stderr}");
+            assert_ended_by_the_handler(&stderr);
             return;
         }
         let system = actix_web::rt::System::new();
@@ -318,6 +311,18 @@ mod tests {
         });
         // Reached only once the wait gave up (30 s): the signals did not end it.
         eprintln!("the wait ended without the signals");
+    }
+
+    /// The child's standard error says that the stop handler of the wait ended it (not the
+    /// wait's end).
+    fn assert_ended_by_the_handler(stderr: &str) {
+        assert!(
+            stderr.contains(
+                "switchyard: SIGTERM: ending now, without waiting for the backend to be released"
+            ),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("without the signals"), "{stderr}");
     }
 
     /// The same as PID 1 of a PID namespace (a container's entry point), which the kernel
@@ -337,14 +342,7 @@ mod tests {
             true,
         );
         assert_eq!(status.code(), Some(143), "{status:?}: {stderr}");
-        assert!(
-            stderr.contains(
-                "switchyard: SIGTERM: ending now, without waiting for the backend to be \
-                 released"
-            ),
-            "{stderr}"
-        );
-        assert!(!stderr.contains("without the signals"), "{stderr}");
+        assert_ended_by_the_handler(&stderr);
     }
 
     /// Whether `unshare -Urpf true` succeeds here (unprivileged user and PID namespaces); says
