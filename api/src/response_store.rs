@@ -423,18 +423,14 @@ impl ResponseStore {
         now_ms: u64,
     ) -> Kept {
         if !self.limits.enabled() {
-            if let Some(log) = &stored.events {
-                self.release_events(log);
-            }
+            self.release_ended(stored.events.as_deref());
             return Kept::Disabled;
         }
         let bytes = json_len(&stored.response)
             .saturating_add(stored.turn.chain_bytes)
             .saturating_add(id.len() + tenant.len());
         if bytes > self.limits.max_bytes {
-            if let Some(log) = &stored.events {
-                self.release_events(log);
-            }
+            self.release_ended(stored.events.as_deref());
             return Kept::TooLarge;
         }
         let key = key(tenant, id);
@@ -509,6 +505,16 @@ impl ResponseStore {
         inner.publish();
         self.maybe_compact(&inner);
         Kept::Yes
+    }
+
+    /// Stops counting the events of an entry not kept, once they have ended. A log still
+    /// running (the `queued` entry of a background response) is left to its task, which
+    /// appends to it and releases it when it ends: ending it here would leave its stream
+    /// without a single event.
+    fn release_ended(&self, events: Option<&EventLog>) {
+        if let Some(log) = events.filter(|log| log.has_ended()) {
+            self.release_events(log);
+        }
     }
 
     /// Lets responses past the age limit go, least recently used first, while the least

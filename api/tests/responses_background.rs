@@ -492,3 +492,65 @@ async fn a_background_stream_needs_the_store() {
     .await
     .assert_error(400, "invalid_request_error", Some("background"));
 }
+
+/// A background stream whose `queued` response is too large for the store (its conversation
+/// alone passes the byte bound) still streams its events to its end: the refusal to keep it
+/// does not end its running events. It is not kept (a GET is a 404), and its events stop
+/// counting once it has ended.
+#[actix_web::test]
+async fn a_background_stream_too_large_to_keep_still_streams() {
+    let mut engine = EchoEngine::new();
+    Arc::get_mut(&mut engine).expect("unshared").max_model_len = 1 << 20;
+    let store = Arc::new(ResponseStore::new(StoreLimits {
+        max_bytes: 64 << 10,
+        ..StoreLimits::default()
+    }));
+    let mut config = config();
+    config.max_body_bytes = 1 << 20;
+    let state = ApiState::new(engine, config, Some(metrics_handle()))
+        .with_response_store(Arc::clone(&store));
+    let app = test::init_service(
+        actix_web::App::new().configure(move |cfg| switchyard_api::configure(cfg, state)),
+    )
+    .await;
+    let input = "Too long to keep. ".repeat(5000);
+    assert!(input.len() > 64 << 10);
+    let body = read_stream(
+        &app,
+        post(
+            "/v1/responses",
+            &background_stream(&input, json!({"max_output_tokens": 4})),
+        )
+        .insert_header(("x-request-id", "too-large")),
+    )
+    .await;
+    let events = parse_events(&body);
+    let types: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert_eq!(
+        types.first().copied(),
+        Some("response.created"),
+        "{types:?}"
+    );
+    assert!(
+        matches!(
+            types.last().copied(),
+            Some("response.completed" | "response.incomplete")
+        ),
+        "{types:?}"
+    );
+    let n = events.len() as u64;
+    assert_eq!(sequence_numbers(&events), (0..n).collect::<Vec<_>>());
+    send(&app, get("/v1/responses/resp_too-large"))
+        .await
+        .assert_error(404, "invalid_request_error", None);
+    for _ in 0..1000 {
+        if store.live_event_bytes() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!(
+        "the ended events still count: {} bytes",
+        store.live_event_bytes()
+    );
+}

@@ -270,12 +270,23 @@ fn run_in_background(
                 store.record_events(log, frames, false);
             }
         };
+        // Its events end with the cancel's `error` event when it was cancelled (aborted, or
+        // ended as the cancel came): written here as well as by the canceller, whichever comes
+        // first, since this task may run between the abort and the canceller's write (on
+        // another worker), and its guard would end them as an interrupted response's.
+        let cancelled = || {
+            if let Some(log) = &log {
+                store.end_events(log, replay::cancelled_event);
+            }
+        };
         let ended = Abortable::new(run_response(generation, writer, record), registration).await;
         let Ok((ended, last)) = ended else {
-            // Cancelled: the canceller ended its events and stored it.
+            // Cancelled: the canceller stores it.
+            cancelled();
             return;
         };
         if !store.finish_background(&keep.tenant, &template.id, run) {
+            cancelled();
             return;
         }
         // The last events (the response's end, or its error) go in once the run is known not

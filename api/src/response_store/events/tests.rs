@@ -223,3 +223,29 @@ fn an_entry_too_large_with_its_events_is_kept_without_them() {
     assert!(s.get("t", "r").expect("kept").events.is_none());
     assert_eq!(s.live_event_bytes(), 0);
 }
+
+/// A running response whose `queued` entry is too large to keep still runs its stream: the
+/// log is not ended by the refusal, its task's events go in and are read, and they stop
+/// counting once the task releases them.
+#[test]
+fn a_running_log_outlives_an_entry_too_large_to_keep() {
+    let s = store(1000);
+    let log = EventLog::new();
+    let queued = json!({"id": "r", "status": "queued", "pad": "p".repeat(2000)});
+    assert_eq!(
+        s.insert_with_events("r", "t", queued, turn(), Some(Arc::clone(&log))),
+        Kept::TooLarge
+    );
+    assert!(!log.has_ended(), "the refusal ended a running log");
+    s.record_events(&log, events(0..3, 10), false);
+    assert_eq!(read_all(&log, 0, 10), (events(0..3, 10), Read::Wait));
+    assert_eq!(s.live_event_bytes(), 30);
+    s.record_events(&log, events(3..4, 10), true);
+    let ended = json!({"id": "r", "status": "completed", "pad": "p".repeat(2000)});
+    assert_eq!(
+        s.insert_with_events("r", "t", ended, turn(), Some(Arc::clone(&log))),
+        Kept::TooLarge
+    );
+    assert_eq!(read_all(&log, 0, 10), (events(0..4, 10), Read::Ended));
+    assert_eq!(s.live_event_bytes(), 0);
+}
