@@ -791,7 +791,8 @@ fn a_lora_flag_that_is_not_an_adapter_is_refused_before_the_model_loads() {
 
 /// A negative number given to a numeric flag of `generate` is that flag's value, refused as
 /// out of range and named: `--temperature -1` read as an unknown argument `-1` ("unexpected
-/// argument '-1' found"), which names neither the flag nor what is wrong with it.
+/// argument '-1' found"), which names neither the flag nor what is wrong with it. Refused
+/// before the model loads, as `--max-tokens 0` is.
 #[test]
 fn a_negative_sampling_flag_is_refused_by_name_not_as_an_unknown_argument() {
     let model = common::model_path();
@@ -825,7 +826,19 @@ fn a_negative_sampling_flag_is_refused_by_name_not_as_an_unknown_argument() {
             err.contains(want) && !err.contains("unexpected argument"),
             "{flag} -1: {err}"
         );
+        // Refused before the model loads (minutes for a large one), not after.
+        assert!(!err.contains("loading model"), "{flag} -1: {err}");
     }
+    let mut zero = switchyard();
+    zero.args(["generate", "--backend", "cpu", "--prompt", "hi"])
+        .arg("--model")
+        .arg(&model)
+        .args(["--max-tokens", "0"]);
+    let err = fails(&mut zero);
+    assert!(
+        err.contains("--max-tokens must be at least 1") && !err.contains("loading model"),
+        "--max-tokens 0: {err}"
+    );
 }
 
 /// `bench throughput --dataset prompts` and `generate --json-schema` read their file to its

@@ -34,6 +34,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     // Before the model loads (minutes for a large one): a misspelt backend is refused at once.
     let backend_kind = runtime::parse_backend(&args.backend)?;
     let structured = structured_spec(&args)?;
+    // The sampling flags too (the token ids they could name are checked per prompt later).
+    check_sampling_flags(&args)?;
     if let Some(dir) = &args.lora {
         super::config::lora_flag_present(dir)?;
     }
@@ -253,6 +255,21 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
 }
 
 /// The structure `--json-schema`, `--regex` or `--choice` asks for (clap lets one through).
+/// Refuses sampling flags out of range before the model loads: each prompt's parameters are
+/// checked again, with the vocabulary, when it is added.
+fn check_sampling_flags(args: &GenerateArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.max_tokens >= 1, "--max-tokens must be at least 1");
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        ..SamplingParams::default()
+    };
+    // No token id among these flags: any vocabulary size passes the id checks.
+    sampling.validate(usize::MAX)?;
+    Ok(())
+}
+
 fn structured_spec(args: &GenerateArgs) -> anyhow::Result<Option<StructuredOutput>> {
     if let Some(path) = &args.json_schema {
         // Read to the bound, not to the end (a pipe or a device has no size to check first).
