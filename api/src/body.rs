@@ -175,6 +175,8 @@ fn in_json_terms(message: &str) -> String {
         "i32" => integer_from(i32::MIN, i32::MAX).into(),
         "i64" | "isize" => integer_from(i64::MIN, i64::MAX).into(),
         "f32" | "f64" => "a number".into(),
+        // An enum's, where a value is neither its name nor an object naming it.
+        "string or map" => "a string or an object".into(),
         w if w.starts_with("struct ")
             || w.starts_with("internally tagged enum ")
             || w.starts_with("adjacently tagged enum ") =>
@@ -183,8 +185,14 @@ fn in_json_terms(message: &str) -> String {
         }
         w => w.into(),
     };
-    // serde names what it found before the expectation: "invalid type: sequence".
+    // serde names what it found before the expectation: "invalid type: sequence". A derived
+    // struct also reads an array as its fields in order, and refuses one of another length
+    // as "invalid length 2, expected struct X with 9 elements": the object it stands for is
+    // what to send.
     let found = match found.rsplit_once(": ") {
+        _ if found.starts_with("invalid length ") && what == "an object" => {
+            "invalid type: array".to_owned()
+        }
         Some((head, "sequence")) => format!("{head}: array"),
         Some((head, "map")) => format!("{head}: object"),
         _ => found.to_owned(),
@@ -452,6 +460,17 @@ mod tests {
             (
                 chat(r#"{"messages": [], "stream_options": "x"}"#),
                 "invalid type: string \"x\", expected an object at line 1 column 38".to_owned(),
+            ),
+            (
+                chat(r#"{"messages": [["user", "Hi"]]}"#),
+                "invalid type: array, expected an object at line 1 column 28".to_owned(),
+            ),
+            (
+                from_value::<crate::engine::SpeculativeMethod>(serde_json::json!(5))
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+                    .unwrap_err(),
+                "invalid type: integer `5`, expected a string or an object".to_owned(),
             ),
             (
                 chat(r#"{"messages": {"role": "user"}}"#),
