@@ -82,8 +82,13 @@ async fn read_body(
 /// `a_body_nested_past_the_limit_says_so`).
 pub(crate) const MAX_JSON_DEPTH: usize = 127;
 
-/// Parses JSON, naming the offending field in the error.
+/// Parses JSON, naming the offending field in the error. A UTF-8 byte order mark before the
+/// JSON text is skipped, as RFC 8259 (section 8.1) lets a parser do and vLLM's does (Python's
+/// `json.loads` of bytes reads it as `utf-8-sig`): editors on Windows write one at the start
+/// of a file sent with `curl -d @file.json`, and serde_json would refuse it as "expected value
+/// at line 1 column 1", a body that reads as valid JSON to whoever sent it.
 pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let mut de = serde_json::Deserializer::from_slice(body);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| json_error(e, body))?;
     de.end().map_err(|e| ApiError::InvalidRequest {
@@ -523,6 +528,39 @@ mod tests {
             }
         }
         assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    }
+
+    /// A body that starts with a UTF-8 byte order mark (a file saved by a Windows editor,
+    /// sent with `curl -d @file.json`) is read as the JSON after it, as vLLM reads it; its
+    /// errors still name their field. One mark only, and only at the start.
+    #[test]
+    fn a_byte_order_mark_before_the_body_is_skipped() {
+        let bom = |json: &str| [&b"\xEF\xBB\xBF"[..], json.as_bytes()].concat();
+        let request = parse_json::<CompletionRequest>(&bom(r#"{"prompt":"x","max_tokens":3}"#));
+        assert_eq!(request.map(|r| r.max_tokens), Ok(Some(3)));
+        for (body, want) in [
+            (r#"{"prompt":"x","temperature":"hot"}"#, Some("temperature")),
+            (r#"{"prompt":"x","temperature":NaN}"#, Some("temperature")),
+            ("{\"prompt\":\"x\",\n \"top_p\":\n Infinity}", Some("top_p")),
+        ] {
+            match parse_json::<CompletionRequest>(&bom(body)) {
+                Err(ApiError::InvalidRequest { param, .. }) => {
+                    assert_eq!(param.as_deref(), want, "{body}")
+                }
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+        for body in [
+            bom(&String::from_utf8(bom(r#"{"prompt":"x"}"#)).unwrap()),
+            [&b"{\"prompt\":\"x\"}"[..], b"\xEF\xBB\xBF"].concat(),
+            [&b" "[..], &bom(r#"{"prompt":"x"}"#)].concat(),
+        ] {
+            assert!(
+                parse_json::<CompletionRequest>(&body).is_err(),
+                "{}",
+                String::from_utf8_lossy(&body)
+            );
+        }
     }
 
     #[test]
