@@ -82,8 +82,13 @@ async fn read_body(
 /// `a_body_nested_past_the_limit_says_so`).
 pub(crate) const MAX_JSON_DEPTH: usize = 127;
 
-/// Parses JSON, naming the offending field in the error.
+/// Parses JSON, naming the offending field in the error. A UTF-8 byte order mark before the
+/// JSON text is skipped, as RFC 8259 (section 8.1) lets a parser do and vLLM's does (Python's
+/// `json.loads` of bytes reads it as `utf-8-sig`): editors on Windows write one at the start
+/// of a file sent with `curl -d @file.json`, and serde_json would refuse it as "expected value
+/// at line 1 column 1", a body that reads as valid JSON to whoever sent it.
 pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let mut de = serde_json::Deserializer::from_slice(body);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| json_error(e, body))?;
     de.end().map_err(|e| ApiError::InvalidRequest {
@@ -142,9 +147,67 @@ fn json_error(e: serde_path_to_error::Error<serde_json::Error>, body: &[u8]) -> 
         _ => None,
     };
     ApiError::InvalidRequest {
-        message: format!("Invalid JSON body: {message}"),
+        message: format!("Invalid JSON body: {}", in_json_terms(&message)),
         param,
     }
+}
+
+/// serde's data error `message` in JSON's words where serde wrote Rust's: what was expected
+/// (`struct MessageField`, `u32`, `f32`, `a sequence`, `a map`) and what was found
+/// (`sequence`, `map`) name JSON's types, and an integer type its range, so a client reads
+/// about the JSON it sent, never about the server's types. serde writes "invalid type:
+/// {found}, expected {what}" (and "invalid value: ...", "invalid length ..."), serde_json adds
+/// " at line L column C"; a message of no such form, and an expectation of the schema's own
+/// words (an untagged field's `expecting`, "one of `a`, `b`"), are kept as they are.
+fn in_json_terms(message: &str) -> String {
+    const EXPECTED: &str = ", expected ";
+    // The last one: what was found may quote a string the client sent, never what was expected.
+    let Some(at) = message.rfind(EXPECTED) else {
+        return message.to_owned();
+    };
+    let (found, rest) = message.split_at(at);
+    let rest = &rest[EXPECTED.len()..];
+    let (what, position) = rest.split_at(rest.find(" at line ").unwrap_or(rest.len()));
+    let what: std::borrow::Cow<'_, str> = match what {
+        "a sequence" => "an array".into(),
+        "a map" => "an object".into(),
+        "u8" => integer_from(0, u8::MAX).into(),
+        "u16" => integer_from(0, u16::MAX).into(),
+        "u32" => integer_from(0, u32::MAX).into(),
+        "u64" | "usize" => integer_from(0, u64::MAX).into(),
+        "i8" => integer_from(i8::MIN, i8::MAX).into(),
+        "i16" => integer_from(i16::MIN, i16::MAX).into(),
+        "i32" => integer_from(i32::MIN, i32::MAX).into(),
+        "i64" | "isize" => integer_from(i64::MIN, i64::MAX).into(),
+        "f32" | "f64" => "a number".into(),
+        // An enum's, where a value is neither its name nor an object naming it.
+        "string or map" => "a string or an object".into(),
+        w if w.starts_with("struct ")
+            || w.starts_with("internally tagged enum ")
+            || w.starts_with("adjacently tagged enum ") =>
+        {
+            "an object".into()
+        }
+        w => w.into(),
+    };
+    // serde names what it found before the expectation: "invalid type: sequence". A derived
+    // struct also reads an array as its fields in order, and refuses one of another length
+    // as "invalid length 2, expected struct X with 9 elements": the object it stands for is
+    // what to send.
+    let found = match found.rsplit_once(": ") {
+        _ if found.starts_with("invalid length ") && what == "an object" => {
+            "invalid type: array".to_owned()
+        }
+        Some((head, "sequence")) => format!("{head}: array"),
+        Some((head, "map")) => format!("{head}: object"),
+        _ => found.to_owned(),
+    };
+    format!("{found}{EXPECTED}{what}{position}")
+}
+
+/// "an integer from MIN to MAX", the range of an integer type a field is read as.
+fn integer_from(min: impl std::fmt::Display, max: impl std::fmt::Display) -> String {
+    format!("an integer from {min} to {max}")
 }
 
 /// Whether serde_json refused a string for what it holds (a lone UTF-16 surrogate escape
@@ -365,6 +428,138 @@ mod tests {
                 assert_eq!(param.as_deref(), Some("messages[0].content"))
             }
             other => panic!("expected invalid request, got {other:?}"),
+        }
+    }
+
+    /// A value of the wrong type is told in JSON's words, never in the server's Rust types:
+    /// what was expected is an object, an array, an integer of a stated range or a number (not
+    /// `struct MessageField`, `u32`, `f32`, "a sequence", "a map"), and what was found an array
+    /// or an object (not a "sequence" or a "map"). Expectations in the schema's own words stay.
+    #[test]
+    fn a_value_of_the_wrong_type_is_told_in_json_terms() {
+        let chat = |body: &str| match parse_json::<crate::schema::ChatRequest>(body.as_bytes()) {
+            Err(ApiError::InvalidRequest { message, .. }) => message,
+            other => panic!("expected invalid request, got {other:?}"),
+        };
+        let embeddings = |body: &str| match parse_json::<crate::schema::embeddings::EmbeddingRequest>(
+            body.as_bytes(),
+        ) {
+            Err(ApiError::InvalidRequest { message, .. }) => message,
+            other => panic!("expected invalid request, got {other:?}"),
+        };
+        let u32_range = "an integer from 0 to 4294967295";
+        let mut wrong = Vec::new();
+        for (got, want) in [
+            (
+                message("[]"),
+                "invalid type: array, expected an object at line 1 column 0".to_owned(),
+            ),
+            (
+                embeddings("5"),
+                "invalid type: integer `5`, expected an object at line 1 column 1".to_owned(),
+            ),
+            (
+                chat(r#"{"messages": ["hi"]}"#),
+                "invalid type: string \"hi\", expected an object at line 1 column 18".to_owned(),
+            ),
+            (
+                chat(r#"{"messages": [], "stream_options": "x"}"#),
+                "invalid type: string \"x\", expected an object at line 1 column 38".to_owned(),
+            ),
+            (
+                chat(r#"{"messages": [["user", "Hi"]]}"#),
+                "invalid type: array, expected an object at line 1 column 28".to_owned(),
+            ),
+            (
+                from_value::<crate::engine::SpeculativeMethod>(serde_json::json!(5))
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+                    .unwrap_err(),
+                "invalid type: integer `5`, expected a string or an object".to_owned(),
+            ),
+            (
+                chat(r#"{"messages": {"role": "user"}}"#),
+                "invalid type: object, expected an array at line 1 column 13".to_owned(),
+            ),
+            (
+                message(r#"{"prompt": "x", "logit_bias": [1]}"#),
+                "invalid type: array, expected an object at line 1 column 30".to_owned(),
+            ),
+            (
+                message(r#"{"prompt": "x", "max_tokens": 1000000000000}"#),
+                format!("invalid value: integer `1000000000000`, expected {u32_range} at line 1 column 43"),
+            ),
+            (
+                message(r#"{"prompt": "x", "n": 1.5}"#),
+                format!("invalid type: floating point `1.5`, expected {u32_range} at line 1 column 24"),
+            ),
+            (
+                message(r#"{"prompt": "x", "seed": 9223372036854775808}"#),
+                "invalid value: integer `9223372036854775808`, expected an integer from \
+                 -9223372036854775808 to 9223372036854775807 at line 1 column 43"
+                    .to_owned(),
+            ),
+            (
+                message(r#"{"prompt": "x", "priority": "high"}"#),
+                "invalid type: string \"high\", expected an integer from -2147483648 to \
+                 2147483647 at line 1 column 34"
+                    .to_owned(),
+            ),
+            (
+                message(r#"{"prompt": "x", "temperature": "hot"}"#),
+                "invalid type: string \"hot\", expected a number at line 1 column 36".to_owned(),
+            ),
+            // A string the client sent that reads like serde's words is quoted as it is.
+            (
+                message(r#"{"prompt": "x", "n": "map, expected u32 at line 9"}"#),
+                format!(
+                    "invalid type: string \"map, expected u32 at line 9\", expected \
+                     {u32_range} at line 1 column 50"
+                ),
+            ),
+            (
+                message(r#"{"prompt": "x", "stop": 5}"#),
+                "`stop` must be a string or an array of strings at line 1 column 26".to_owned(),
+            ),
+        ] {
+            let want = format!("Invalid JSON body: {want}");
+            if got != want {
+                wrong.push(format!("got  {got}\nwant {want}"));
+            }
+        }
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    }
+
+    /// A body that starts with a UTF-8 byte order mark (a file saved by a Windows editor,
+    /// sent with `curl -d @file.json`) is read as the JSON after it, as vLLM reads it; its
+    /// errors still name their field. One mark only, and only at the start.
+    #[test]
+    fn a_byte_order_mark_before_the_body_is_skipped() {
+        let bom = |json: &str| [&b"\xEF\xBB\xBF"[..], json.as_bytes()].concat();
+        let request = parse_json::<CompletionRequest>(&bom(r#"{"prompt":"x","max_tokens":3}"#));
+        assert_eq!(request.map(|r| r.max_tokens), Ok(Some(3)));
+        for (body, want) in [
+            (r#"{"prompt":"x","temperature":"hot"}"#, Some("temperature")),
+            (r#"{"prompt":"x","temperature":NaN}"#, Some("temperature")),
+            ("{\"prompt\":\"x\",\n \"top_p\":\n Infinity}", Some("top_p")),
+        ] {
+            match parse_json::<CompletionRequest>(&bom(body)) {
+                Err(ApiError::InvalidRequest { param, .. }) => {
+                    assert_eq!(param.as_deref(), want, "{body}")
+                }
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+        for body in [
+            bom(&String::from_utf8(bom(r#"{"prompt":"x"}"#)).unwrap()),
+            [&b"{\"prompt\":\"x\"}"[..], b"\xEF\xBB\xBF"].concat(),
+            [&b" "[..], &bom(r#"{"prompt":"x"}"#)].concat(),
+        ] {
+            assert!(
+                parse_json::<CompletionRequest>(&body).is_err(),
+                "{}",
+                String::from_utf8_lossy(&body)
+            );
         }
     }
 

@@ -536,6 +536,20 @@ async fn admin_policy_needs_the_admin_key_and_swaps() {
     send(&app, unknown)
         .await
         .assert_error(400, BAD, Some("name"));
+    // A body that is no object is refused, saying what it must be: serde would read an array
+    // as the fields in order, `["fcfs"]` as a swap to FCFS.
+    for body in [r#"["fcfs"]"#, r#"["fcfs", {}]"#, "[]", r#""fcfs""#, "null"] {
+        let put = admin(TestRequest::put().uri("/admin/policy")).set_payload(body);
+        let error = send(&app, put).await.assert_error(400, BAD, None);
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("must be a JSON object with `name`")),
+            "{body}: {error}"
+        );
+    }
+    assert_eq!(engine.policy_swaps.load(Ordering::SeqCst), 1);
+    assert_eq!(engine.policy.lock().unwrap().name, "priority");
     let (_, closed) = app_without_admin().await;
     let request = admin(TestRequest::get().uri("/admin/policy"));
     let error = send(&closed, request).await.assert_error(403, BAD, None);

@@ -263,6 +263,10 @@ pub(crate) async fn get_policy(state: web::Data<ApiState>) -> Result<HttpRespons
     Ok(HttpResponse::Ok().json(state.engine.policy().await?))
 }
 
+/// What a `PUT /admin/policy` body must be, said when it is not an object.
+const POLICY_BODY: &str = "the body must be a JSON object with `name` (a registered policy) and \
+                           optionally `params`, as GET /admin/policy shows them";
+
 /// `PUT /admin/policy`: hot-swaps the scheduling policy; the policy in force with the same
 /// parameters is kept (`"changed": false`), as a configuration reload keeps it.
 pub(crate) async fn put_policy(
@@ -270,7 +274,17 @@ pub(crate) async fn put_policy(
     req: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let spec: PolicySpec = read_json(&req, payload, &state.config()).await?;
+    let body: serde_json::Value = read_json(&req, payload, &state.config()).await?;
+    // Only an object: serde would read an array as the fields in order (`["fcfs"]` a swap).
+    let spec: PolicySpec = match body {
+        body @ serde_json::Value::Object(_) => from_value(body)?,
+        _ => {
+            return Err(ApiError::InvalidRequest {
+                message: POLICY_BODY.to_owned(),
+                param: None,
+            })
+        }
+    };
     if spec.name.is_empty() || spec.name.len() > 64 {
         return Err(ApiError::invalid(
             "name",

@@ -73,11 +73,13 @@ impl SamplerFields {
         }
         let top_k = match self.top_k {
             None | Some(-1) | Some(0) => 0,
-            Some(k) if (1..=i64::from(u32::MAX)).contains(&k) => u32::try_from(k).unwrap_or(0),
+            // A k past any vocabulary keeps every token, as vLLM reads it: the sampler takes
+            // the smaller of k and the vocabulary.
+            Some(k) if k >= 1 => u32::try_from(k).unwrap_or(u32::MAX),
             Some(k) => {
                 return Err(ApiError::invalid(
                     "top_k",
-                    format!("top_k must be -1 (disabled) or at least 1, got {k}"),
+                    format!("top_k must be -1 or 0 (disabled) or at least 1, got {k}"),
                 ))
             }
         };
@@ -287,6 +289,41 @@ mod tests {
                 ..SamplerFields::default()
             };
             assert_eq!(fields.validate().unwrap().top_k, 0);
+        }
+    }
+
+    /// Every `top_k` of at least 1 is taken, one past `u32`'s range too (it keeps every
+    /// token, as any k past the vocabulary does): the refusal says "at least 1" and must
+    /// not refuse such a k. Below -1 is refused, naming both values that disable it.
+    #[test]
+    fn every_top_k_of_at_least_one_is_taken() {
+        let top_k = |k: i64| {
+            SamplerFields {
+                top_k: Some(k),
+                ..SamplerFields::default()
+            }
+            .validate()
+        };
+        for (k, want) in [
+            (1, 1),
+            (49_152, 49_152),
+            (i64::from(u32::MAX), u32::MAX),
+            (i64::from(u32::MAX) + 1, u32::MAX),
+            (i64::MAX, u32::MAX),
+        ] {
+            assert_eq!(top_k(k).unwrap().top_k, want, "{k}");
+        }
+        for k in [-2, i64::MIN] {
+            match top_k(k) {
+                Err(ApiError::InvalidRequest { message, param }) => {
+                    assert_eq!(param.as_deref(), Some("top_k"));
+                    assert_eq!(
+                        message,
+                        format!("top_k must be -1 or 0 (disabled) or at least 1, got {k}")
+                    );
+                }
+                other => panic!("{k}: {other:?}"),
+            }
         }
     }
 
