@@ -300,7 +300,10 @@ impl ResponseStore {
         }
         while state.live && inner.bytes + inner.live_bytes > self.limits.max_bytes {
             // Finished responses leave first (a running one is out of the order, its own
-            // `queued` entry included), then the log's own oldest events.
+            // `queued` entry included), then the log's own oldest events. An evicted entry's
+            // log is locked to close it while this one is: it is another log, as a log still
+            // appended to is only ever held by a running entry, and a closed log is never
+            // appended to, so two appends cannot wait on each other's logs.
             if let Some((_, oldest)) = inner.order.first_key_value() {
                 let oldest = oldest.clone();
                 inner.remove(&oldest, Gone::Evicted);
