@@ -488,7 +488,8 @@ impl ResponseStore {
 
     /// [`ResponseStore::insert_entry`] under the lock: `bytes` is what the entry counts without
     /// its events ([`entry_bytes`]), `at` when it is stored (both clocks). An entry whose key
-    /// is a running background response's stays out of the recency order (never evicted).
+    /// is a running background response's, or whose events are still being written, stays out
+    /// of the recency order (never evicted) until an entry that ends replaces it.
     fn insert_locked(
         &self,
         inner: &mut Inner,
@@ -565,7 +566,11 @@ impl ResponseStore {
                 journal.offer(journal::Op::Put(put), bytes - event_bytes);
             }
         }
-        let tick = (!inner.running.contains_key(&key)).then(|| {
+        // A running response stays out of the order: registered, or holding events still
+        // written (so a log appended to is never an evictable entry's).
+        let runs = inner.running.contains_key(&key)
+            || stored.events.as_ref().is_some_and(|log| !log.has_ended());
+        let tick = (!runs).then(|| {
             let tick = inner.next_tick;
             inner.next_tick += 1;
             inner.order.insert(tick, key.clone());

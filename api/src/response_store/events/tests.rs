@@ -362,3 +362,25 @@ fn the_events_of_a_response_that_leaves_are_dropped_at_once() {
     s.finish_background("t", "bg2", run, events(0..3, 10), done);
     assert_eq!(read_all(&log, 0, 10), (events(0..3, 10), Read::Ended));
 }
+
+/// An entry holding events still written stays out of the eviction order even unregistered:
+/// its log's own growth drops its oldest events, never the entry (evicting it would close the
+/// very log being appended to, under that log's lock).
+#[test]
+fn an_entry_with_running_events_is_not_evicted_by_them() {
+    let s = store(8000);
+    let log = EventLog::new();
+    let queued = json!({"id": "r", "status": "queued"});
+    assert_eq!(
+        s.insert_with_events("r", "t", queued, turn(), Some(Arc::clone(&log))),
+        Kept::Yes
+    );
+    for id in ["a", "b", "c"] {
+        let pad = json!({"id": id, "pad": "p".repeat(2300)});
+        assert_eq!(s.insert(id, "t", pad, turn()), Kept::Yes);
+    }
+    s.record_events(&log, events(0..100, 10), false);
+    assert!(s.get("t", "r").is_some());
+    assert!(s.get("t", "a").is_none(), "a finished one left instead");
+    assert_eq!(log.span(), (0, 100));
+}
