@@ -15,6 +15,16 @@
 //! `stream` keeps its events with it ([`events`]): counted against the byte bound too, while it
 //! runs and once stored, and never journaled.
 //!
+//! A background response still running is never evicted: its `queued` entry stays out of the
+//! recency order until its end replaces it (or a cancel or DELETE ends it), so the bounds let
+//! finished responses go for it, and its own growing events drop their oldest rather than
+//! evict it. The running ones alone may pass the bounds: each holds a request the engine runs.
+//! What happens to a background response is decided under the store's one lock, in one order:
+//! its start (registered and stored `queued` at once), its end stored by its task (only while
+//! it is still registered), a cancel (unregistered, its events ended and the response stored
+//! `cancelled` at once) and a DELETE (unregistered and removed at once). So a DELETE answered
+//! 200 stays deleted, and a cancel answered 200 stays `cancelled`.
+//!
 //! Responses are kept per tenant: a response is found only by requests of the tenant that
 //! created it (an open server is one tenant), and another tenant's id reads as unknown, so
 //! nothing tells one tenant what another stored.
@@ -27,13 +37,13 @@
 //! rewrites the log from the store once it has caught up. A background response is journaled once it has ended (a `queued` one
 //! would never end after a restart).
 
-use std::collections::hash_map::Entry as Entry_;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use futures_util::future::AbortHandle;
 use parking_lot::Mutex;
 use serde_json::Value;
@@ -45,7 +55,7 @@ use crate::metrics::{
 pub mod events;
 pub mod journal;
 
-pub use events::{EventLog, Read};
+pub use events::{EventLog, Gone, Read};
 pub use journal::{ensure_directory, JournalError};
 
 /// Most turns in one conversation chained by `previous_response_id`.
@@ -170,6 +180,16 @@ pub struct StoredResponse {
     pub events: Option<Arc<EventLog>>,
 }
 
+/// What [`ResponseStore::cancel_background`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Cancel {
+    /// It was running: it is stored `cancelled`, as this object says.
+    Cancelled(Value),
+    /// No background response of that id runs with a stored entry (it has ended, or never
+    /// was): nothing changed.
+    NotRunning,
+}
+
 /// Whether [`ResponseStore::insert`] kept the response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kept {
@@ -198,8 +218,9 @@ struct Entry {
     at: Instant,
     /// When it was stored, in milliseconds since the Unix epoch (the journal's clock).
     at_ms: u64,
-    /// Its key in the recency order.
-    tick: u64,
+    /// Its key in the recency order; `None` for a background response still running, which
+    /// is out of it (never evicted nor expired).
+    tick: Option<u64>,
 }
 
 #[derive(Default)]
@@ -214,30 +235,67 @@ struct Inner {
     event_bytes: usize,
     /// What the events of running background responses count ([`events`]).
     live_bytes: usize,
+    /// The background responses running now.
+    running: HashMap<Key, Running>,
 }
 
 impl Inner {
     fn touch(&mut self, key: &Key) {
         let tick = self.next_tick;
         if let Some(e) = self.entries.get_mut(key) {
-            self.order.remove(&e.tick);
-            e.tick = tick;
+            let Some(old) = e.tick else {
+                return;
+            };
+            self.order.remove(&old);
+            e.tick = Some(tick);
             self.order.insert(tick, key.clone());
             self.next_tick += 1;
         }
     }
 
-    fn remove(&mut self, key: &Key) -> Option<Entry> {
+    /// Takes `key`'s entry out, its events with it (they stay readable only where the caller
+    /// stores them again).
+    fn take(&mut self, key: &Key) -> Option<Entry> {
         let e = self.entries.remove(key)?;
-        self.order.remove(&e.tick);
+        if let Some(tick) = e.tick {
+            self.order.remove(&tick);
+        }
         self.bytes -= e.bytes;
         self.event_bytes -= e.event_bytes;
         Some(e)
     }
 
+    /// Removes `key`'s entry, `gone` as it says why: its events are dropped at once, and their
+    /// readers end with the `error` event that says so ([`events::Gone`]).
+    fn remove(&mut self, key: &Key, gone: Gone) -> bool {
+        let Some(e) = self.take(key) else {
+            return false;
+        };
+        if let Some(log) = &e.stored.events {
+            events::close(&mut self.live_bytes, log, gone);
+        }
+        true
+    }
+
     fn publish(&self) {
         metrics::gauge!(RESPONSES_STORED).set(self.entries.len() as f64);
         metrics::gauge!(RESPONSES_STORED_BYTES).set((self.bytes + self.live_bytes) as f64);
+    }
+}
+
+/// What an entry counts against the byte bound without its events.
+fn entry_bytes(id: &str, tenant: &str, stored: &StoredResponse) -> usize {
+    json_len(&stored.response)
+        .saturating_add(stored.turn.chain_bytes)
+        .saturating_add(id.len() + tenant.len())
+}
+
+/// Stops counting the events of an entry not kept, once they have ended. A log still running
+/// (the `queued` entry of a background response) is left to its task, which appends to it and
+/// releases it when it ends: ending it here would leave its stream without a single event.
+fn release_ended(inner: &mut Inner, events: Option<&EventLog>) {
+    if let Some(log) = events.filter(|log| log.has_ended()) {
+        events::release(&mut inner.live_bytes, log);
     }
 }
 
@@ -281,10 +339,10 @@ pub struct ResponseStore {
     /// store is still there.
     journal: Option<journal::Journal>,
     limits: StoreLimits,
-    /// The responses; shared only with the journal's writer, which reads it to rewrite the log.
+    /// The responses and the background ones running; shared only with the journal's writer,
+    /// which reads it to rewrite the log.
     inner: Arc<Mutex<Inner>>,
-    running: Mutex<HashMap<Key, Running>>,
-    /// Stored foreground responses in flight, by name: how many (locked after `running`).
+    /// Stored foreground responses in flight, by name: how many (locked after `inner`).
     foreground: Mutex<HashMap<Key, usize>>,
     next_run: AtomicU64,
 }
@@ -310,7 +368,6 @@ impl ResponseStore {
         let store = Self {
             limits,
             inner: Arc::new(Mutex::new(Inner::default())),
-            running: Mutex::new(HashMap::new()),
             foreground: Mutex::new(HashMap::new()),
             next_run: AtomicU64::new(0),
             journal: None,
@@ -418,23 +475,38 @@ impl ResponseStore {
         &self,
         id: &str,
         tenant: &str,
-        mut stored: StoredResponse,
+        stored: StoredResponse,
         now: Instant,
         now_ms: u64,
     ) -> Kept {
+        let bytes = entry_bytes(id, tenant, &stored);
+        let mut inner = self.inner.lock();
+        let kept = self.insert_locked(&mut inner, key(tenant, id), stored, bytes, (now, now_ms));
+        inner.publish();
+        kept
+    }
+
+    /// [`ResponseStore::insert_entry`] under the lock: `bytes` is what the entry counts without
+    /// its events ([`entry_bytes`]), `at` when it is stored (both clocks). An entry whose key
+    /// is a running background response's, or whose events are still being written, stays out
+    /// of the recency order (never evicted) until an entry that ends replaces it.
+    fn insert_locked(
+        &self,
+        inner: &mut Inner,
+        key: Key,
+        mut stored: StoredResponse,
+        bytes: usize,
+        (now, now_ms): (Instant, u64),
+    ) -> Kept {
         if !self.limits.enabled() {
-            self.release_ended(stored.events.as_deref());
+            release_ended(inner, stored.events.as_deref());
             return Kept::Disabled;
         }
-        let bytes = json_len(&stored.response)
-            .saturating_add(stored.turn.chain_bytes)
-            .saturating_add(id.len() + tenant.len());
         if bytes > self.limits.max_bytes {
-            self.release_ended(stored.events.as_deref());
+            release_ended(inner, stored.events.as_deref());
             return Kept::TooLarge;
         }
-        let key = key(tenant, id);
-        let mut inner = self.inner.lock();
+        let given = stored.events.clone();
         let mut event_bytes = match &stored.events {
             Some(log) => events::move_into_entry(&mut inner.live_bytes, log),
             None => 0,
@@ -445,9 +517,15 @@ impl ResponseStore {
             event_bytes = 0;
         }
         let bytes = bytes + event_bytes;
-        let (response, turn) = (&stored.response, &stored.turn);
-        let replaced = inner.remove(&key);
-        self.expire(&mut inner, now);
+        let replaced = inner.take(&key);
+        if let Some(log) = replaced.as_ref().and_then(|e| e.stored.events.as_ref()) {
+            // The entry replaced by its own end (or cancel) hands its events on; another
+            // response's events leave with it.
+            if !given.as_ref().is_some_and(|g| Arc::ptr_eq(g, log)) {
+                events::close(&mut inner.live_bytes, log, Gone::Replaced);
+            }
+        }
+        self.expire(inner, now);
         while inner.entries.len() >= self.limits.max_responses
             || inner.bytes + inner.live_bytes + bytes > self.limits.max_bytes
         {
@@ -456,14 +534,16 @@ impl ResponseStore {
             } else {
                 "bytes"
             };
+            // Only finished responses leave: running ones are out of the order.
             let Some((_, oldest)) = inner.order.first_key_value() else {
                 break;
             };
             let oldest = oldest.clone();
-            inner.remove(&oldest);
+            inner.remove(&oldest, Gone::Evicted);
             self.journal_delete(&oldest);
             metrics::counter!(RESPONSES_EVICTED, "reason" => reason).increment(1);
         }
+        let (response, turn) = (&stored.response, &stored.turn);
         if let Some(journal) = &self.journal {
             // A response still running is not journaled: after a restart it would never end.
             // Its name's earlier response, replaced in memory, is deleted from the log if the
@@ -475,8 +555,8 @@ impl ResponseStore {
                 }
             } else {
                 let put = journal::PutOp {
-                    tenant: tenant.to_owned(),
-                    id: id.to_owned(),
+                    tenant: key.0.clone(),
+                    id: key.1.clone(),
                     at_ms: now_ms,
                     response: response.clone(),
                     turn: Arc::clone(turn),
@@ -486,9 +566,16 @@ impl ResponseStore {
                 journal.offer(journal::Op::Put(put), bytes - event_bytes);
             }
         }
-        let tick = inner.next_tick;
-        inner.next_tick += 1;
-        inner.order.insert(tick, key.clone());
+        // A running response stays out of the order: registered, or holding events still
+        // written (so a log appended to is never an evictable entry's).
+        let runs = inner.running.contains_key(&key)
+            || stored.events.as_ref().is_some_and(|log| !log.has_ended());
+        let tick = (!runs).then(|| {
+            let tick = inner.next_tick;
+            inner.next_tick += 1;
+            inner.order.insert(tick, key.clone());
+            tick
+        });
         inner.bytes += bytes;
         inner.event_bytes += event_bytes;
         inner.entries.insert(
@@ -502,19 +589,8 @@ impl ResponseStore {
                 tick,
             },
         );
-        inner.publish();
-        self.maybe_compact(&inner);
+        self.maybe_compact(inner);
         Kept::Yes
-    }
-
-    /// Stops counting the events of an entry not kept, once they have ended. A log still
-    /// running (the `queued` entry of a background response) is left to its task, which
-    /// appends to it and releases it when it ends: ending it here would leave its stream
-    /// without a single event.
-    fn release_ended(&self, events: Option<&EventLog>) {
-        if let Some(log) = events.filter(|log| log.has_ended()) {
-            self.release_events(log);
-        }
     }
 
     /// Lets responses past the age limit go, least recently used first, while the least
@@ -532,7 +608,7 @@ impl ResponseStore {
                 break;
             }
             let key = key.clone();
-            inner.remove(&key);
+            inner.remove(&key, Gone::Evicted);
             self.journal_delete(&key);
             metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
         }
@@ -548,19 +624,21 @@ impl ResponseStore {
         let key = key(tenant, id);
         let mut inner = self.inner.lock();
         let entry = inner.entries.get(&key)?;
-        if self
-            .limits
-            .max_age
-            .is_some_and(|max| now.saturating_duration_since(entry.at) > max)
+        // A background response still running does not expire (its end is stored anew).
+        if entry.tick.is_some()
+            && self
+                .limits
+                .max_age
+                .is_some_and(|max| now.saturating_duration_since(entry.at) > max)
         {
-            inner.remove(&key);
+            inner.remove(&key, Gone::Evicted);
             self.journal_delete(&key);
             metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
             inner.publish();
             return None;
         }
         let stored = entry.stored.clone();
-        let latest = entry.tick + 1 == inner.next_tick;
+        let latest = entry.tick.is_some_and(|t| t + 1 == inner.next_tick);
         let running = matches!(
             stored.response["status"].as_str(),
             Some("queued" | "in_progress")
@@ -582,11 +660,16 @@ impl ResponseStore {
         Some(stored)
     }
 
-    /// Deletes the response `id` of `tenant`; whether there was one.
+    /// Deletes the response `id` of `tenant`; whether there was one. A background response
+    /// still running is aborted and unregistered at once, so its task stores nothing more; the
+    /// readers of its events end with a `response_deleted` `error` event.
     pub fn remove(&self, tenant: &str, id: &str) -> bool {
         let key = key(tenant, id);
         let mut inner = self.inner.lock();
-        let removed = inner.remove(&key).is_some();
+        if let Some(r) = inner.running.remove(&key) {
+            r.abort.abort();
+        }
+        let removed = inner.remove(&key, Gone::Deleted);
         if removed {
             self.journal_delete(&key);
             self.maybe_compact(&inner);
@@ -595,22 +678,31 @@ impl ResponseStore {
         removed
     }
 
-    /// Registers background response `id` of `tenant` as running, `abort` ending it: the run's
-    /// number for [`ResponseStore::finish_background`], or `None` when one of that id is
-    /// running already (the caller drops its own).
-    pub fn start_background(&self, tenant: &str, id: &str, abort: AbortHandle) -> Option<u64> {
-        let mut running = self.running.lock();
+    /// Registers background response `id` of `tenant` as running, `abort` ending it, and
+    /// stores `queued` (its object as it starts, its events if it streams) at once: the run's
+    /// number for [`ResponseStore::finish_background`] and whether the entry was kept, or
+    /// `None` when a response of that name runs already, background or stored foreground
+    /// (the caller drops its own). A `queued` entry too large to keep leaves its events
+    /// running (its task writes and releases them).
+    pub fn start_background(
+        &self,
+        tenant: &str,
+        id: &str,
+        abort: AbortHandle,
+        queued: StoredResponse,
+    ) -> Option<(u64, Kept)> {
+        let bytes = entry_bytes(id, tenant, &queued);
         let key = key(tenant, id);
-        if self.foreground.lock().contains_key(&key) {
-            return None;
-        }
-        let entry = running.entry(key);
-        if matches!(entry, Entry_::Occupied(_)) {
+        let mut inner = self.inner.lock();
+        if inner.running.contains_key(&key) || self.foreground.lock().contains_key(&key) {
             return None;
         }
         let run = self.next_run.fetch_add(1, Ordering::Relaxed);
-        entry.or_insert(Running { run, abort });
-        Some(run)
+        inner.running.insert(key.clone(), Running { run, abort });
+        let now = (Instant::now(), journal::unix_ms());
+        let kept = self.insert_locked(&mut inner, key, queued, bytes, now);
+        inner.publish();
+        Some((run, kept))
     }
 
     /// Claims the name `id` of `tenant` for a stored foreground response until the claim drops,
@@ -618,9 +710,9 @@ impl ResponseStore {
     /// other's entry and then be replaced by it. Foreground responses may share a name (the
     /// last to end is kept), and no background response takes a claimed one.
     pub fn claim_foreground(self: &Arc<Self>, tenant: &str, id: &str) -> Option<ForegroundName> {
-        let running = self.running.lock();
+        let inner = self.inner.lock();
         let key = key(tenant, id);
-        if running.contains_key(&key) {
+        if inner.running.contains_key(&key) {
             return None;
         }
         *self.foreground.lock().entry(key.clone()).or_insert(0) += 1;
@@ -630,28 +722,85 @@ impl ResponseStore {
         })
     }
 
-    /// Background run `run` of response `id` ended by itself: whether it was still registered
-    /// (false: it was cancelled meanwhile, and its end is not to be stored).
-    pub fn finish_background(&self, tenant: &str, id: &str, run: u64) -> bool {
-        let mut running = self.running.lock();
+    /// Background run `run` of response `id` ended by itself: if it is still registered (not
+    /// cancelled nor deleted meanwhile), it is unregistered, `last` (its last events: its end,
+    /// or its error) ends its events, and `end` is stored, all at once, and whether `end` was
+    /// kept is returned; otherwise `None`, and nothing is written. An end too large to keep
+    /// takes its `queued` entry with it: the response is not kept.
+    pub fn finish_background(
+        &self,
+        tenant: &str,
+        id: &str,
+        run: u64,
+        last: Vec<Bytes>,
+        end: StoredResponse,
+    ) -> Option<Kept> {
+        let bytes = entry_bytes(id, tenant, &end);
         let key = key(tenant, id);
-        if running.get(&key).is_some_and(|r| r.run == run) {
-            running.remove(&key);
-            return true;
+        let mut inner = self.inner.lock();
+        if inner.running.get(&key).is_none_or(|r| r.run != run) {
+            return None;
         }
-        false
+        inner.running.remove(&key);
+        if let Some(log) = &end.events {
+            let mut state = log.lock();
+            if !state.ended {
+                self.append(&mut inner, &mut state, last, true);
+            }
+            drop(state);
+            log.wake();
+        }
+        let now = (Instant::now(), journal::unix_ms());
+        let kept = self.insert_locked(&mut inner, key.clone(), end, bytes, now);
+        if kept != Kept::Yes {
+            // Its `queued` entry is no longer what runs: it leaves, its events' readers
+            // reading them to their end.
+            inner.take(&key);
+        }
+        inner.publish();
+        Some(kept)
     }
 
-    /// Cancels background response `id` of `tenant` if it is running: whether it was (its task
-    /// stores nothing more; the caller stores the cancelled response).
-    pub fn cancel_background(&self, tenant: &str, id: &str) -> bool {
-        match self.running.lock().remove(&key(tenant, id)) {
-            Some(r) => {
-                r.abort.abort();
-                true
-            }
-            None => false,
+    /// Cancels background response `id` of `tenant` if it runs with a stored entry: it is
+    /// aborted and unregistered, its events end with the event `cancelled` writes for their
+    /// next sequence number, and its entry is stored `cancelled`, all at once.
+    pub fn cancel_background(
+        &self,
+        tenant: &str,
+        id: &str,
+        cancelled: impl FnOnce(u64) -> Bytes,
+    ) -> Cancel {
+        let key = key(tenant, id);
+        let mut inner = self.inner.lock();
+        if !inner.running.contains_key(&key) {
+            return Cancel::NotRunning;
         }
+        let Some(entry) = inner.entries.get(&key) else {
+            // Its `queued` entry was too large to keep: there is nothing to cancel by id.
+            return Cancel::NotRunning;
+        };
+        let mut stored = entry.stored.clone();
+        if let Some(r) = inner.running.remove(&key) {
+            r.abort.abort();
+        }
+        if let Some(log) = &stored.events {
+            let mut state = log.lock();
+            if !state.ended {
+                let frame = cancelled(state.end());
+                self.append(&mut inner, &mut state, vec![frame], true);
+            }
+            drop(state);
+            log.wake();
+        }
+        stored.response["status"] = Value::from("cancelled");
+        let response = stored.response.clone();
+        let bytes = entry_bytes(id, tenant, &stored);
+        let now = (Instant::now(), journal::unix_ms());
+        if self.insert_locked(&mut inner, key.clone(), stored, bytes, now) != Kept::Yes {
+            inner.take(&key);
+        }
+        inner.publish();
+        Cancel::Cancelled(response)
     }
 
     /// Responses kept now.
@@ -671,240 +820,4 @@ impl ResponseStore {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn turn(text: &str, parent: Option<Arc<Turn>>) -> Arc<Turn> {
-        Arc::new(Turn::new(
-            vec![json!({"type": "message", "role": "user", "content": text})],
-            vec![json!({"type": "message", "role": "assistant", "content": [
-                {"type": "output_text", "text": format!("re: {text}")}]})],
-            parent,
-        ))
-    }
-
-    fn store(max_responses: usize, max_bytes: usize, max_age: Option<u64>) -> ResponseStore {
-        ResponseStore::new(StoreLimits {
-            max_responses,
-            max_bytes,
-            max_age: max_age.map(Duration::from_secs),
-            ..StoreLimits::default()
-        })
-    }
-
-    /// A new store's series are on `/metrics` at once, each eviction reason at zero.
-    #[test]
-    fn a_new_store_exports_its_series_at_zero() {
-        let recorder = crate::metrics::prometheus_builder()
-            .expect("builder")
-            .build_recorder();
-        let handle = recorder.handle();
-        metrics::with_local_recorder(&recorder, || {
-            store(4, 1 << 20, None);
-        });
-        let text = handle.render();
-        for reason in ["count", "bytes", "age"] {
-            let series = format!("{RESPONSES_EVICTED}{{reason=\"{reason}\"}} 0");
-            assert!(text.contains(&series), "{series} missing in\n{text}");
-        }
-        for gauge in [RESPONSES_STORED, RESPONSES_STORED_BYTES] {
-            assert!(text.contains(&format!("{gauge} 0")), "{gauge} missing");
-        }
-    }
-
-    fn keep(s: &ResponseStore, id: &str, tenant: &str) -> Kept {
-        s.insert(id, tenant, json!({"id": id}), turn(id, None))
-    }
-
-    #[test]
-    fn a_chain_reads_back_oldest_first() {
-        let first = turn("a", None);
-        let second = turn("b", Some(Arc::clone(&first)));
-        let third = Arc::new(Turn::new(vec![json!("c")], vec![], Some(second)));
-        assert_eq!(third.depth(), 3);
-        let a = turn("a", None);
-        let b = turn("b", None);
-        let expected: Vec<Value> = [&a, &b]
-            .iter()
-            .flat_map(|t| t.input.iter().chain(&t.output))
-            .cloned()
-            .chain([json!("c")])
-            .collect();
-        assert_eq!(third.items(), expected);
-        // Bytes add up along the chain.
-        assert!(third.chain_bytes > first.chain_bytes * 2);
-    }
-
-    #[test]
-    fn the_least_recently_used_leaves_first_when_full() {
-        let s = store(2, 1 << 20, None);
-        assert_eq!(keep(&s, "r1", "t"), Kept::Yes);
-        assert_eq!(keep(&s, "r2", "t"), Kept::Yes);
-        // Reading r1 makes r2 the least recently used.
-        assert!(s.get("t", "r1").is_some());
-        assert_eq!(keep(&s, "r3", "t"), Kept::Yes);
-        assert_eq!(s.len(), 2);
-        assert!(s.get("t", "r2").is_none());
-        assert!(s.get("t", "r1").is_some() && s.get("t", "r3").is_some());
-    }
-
-    #[test]
-    fn bytes_are_bounded_and_released() {
-        let one = {
-            let s = store(10, 1 << 20, None);
-            keep(&s, "r1", "t");
-            s.bytes()
-        };
-        assert!(one > 0);
-        // Room for two responses of this size, not three.
-        let s = store(10, one * 2 + one / 2, None);
-        for id in ["r1", "r2", "r3"] {
-            assert_eq!(keep(&s, id, "t"), Kept::Yes);
-            assert!(s.bytes() <= one * 2 + one / 2);
-        }
-        assert_eq!(s.len(), 2);
-        assert!(s.get("t", "r1").is_none());
-        assert!(s.remove("t", "r2"));
-        assert_eq!(s.bytes(), one);
-        assert!(s.remove("t", "r3"));
-        assert_eq!((s.len(), s.bytes()), (0, 0));
-    }
-
-    #[test]
-    fn a_response_larger_than_the_bound_is_not_kept() {
-        let s = store(10, 64, None);
-        assert_eq!(keep(&s, "r1", "t"), Kept::TooLarge);
-        assert!(s.is_empty());
-        let off = store(0, 1 << 20, None);
-        assert_eq!(keep(&off, "r1", "t"), Kept::Disabled);
-    }
-
-    #[test]
-    fn responses_past_the_age_limit_are_gone() {
-        let s = store(10, 1 << 20, Some(60));
-        let t0 = Instant::now();
-        s.insert_at("old", "t", json!({}), turn("old", None), t0, 0);
-        s.insert_at(
-            "new",
-            "t",
-            json!({}),
-            turn("new", None),
-            t0 + Duration::from_secs(50),
-            0,
-        );
-        assert!(s.get_at("t", "old", t0 + Duration::from_secs(59)).is_some());
-        assert!(s.get_at("t", "old", t0 + Duration::from_secs(61)).is_none());
-        assert!(s.get_at("t", "new", t0 + Duration::from_secs(61)).is_some());
-        // Inserting lets the expired least recently used ones go.
-        s.insert_at(
-            "later",
-            "t",
-            json!({}),
-            turn("later", None),
-            t0 + Duration::from_secs(200),
-            0,
-        );
-        assert_eq!(s.len(), 1);
-    }
-
-    #[test]
-    fn another_tenant_sees_nothing_and_deletes_nothing() {
-        let s = store(10, 1 << 20, None);
-        keep(&s, "r1", "alice");
-        assert!(s.get("bob", "r1").is_none());
-        assert!(!s.remove("bob", "r1"));
-        assert!(s.get("alice", "r1").is_some());
-        assert!(s.remove("alice", "r1"));
-        assert!(!s.remove("alice", "r1"));
-    }
-
-    #[test]
-    fn replacing_an_id_counts_it_once() {
-        let s = store(10, 1 << 20, None);
-        keep(&s, "r1", "t");
-        let once = s.bytes();
-        keep(&s, "r1", "t");
-        assert_eq!((s.len(), s.bytes()), (1, once));
-    }
-
-    #[test]
-    fn a_continued_response_outlives_its_evicted_ancestor() {
-        let s = store(1, 1 << 20, None);
-        let first = turn("a", None);
-        s.insert("r1", "t", json!({}), Arc::clone(&first));
-        s.insert("r2", "t", json!({}), turn("b", Some(first)));
-        assert!(s.get("t", "r1").is_none());
-        assert_eq!(s.get("t", "r2").unwrap().turn.items().len(), 4);
-    }
-
-    #[test]
-    fn a_background_response_is_cancelled_once_and_only_by_its_tenant() {
-        let s = store(10, 1 << 20, None);
-        let (abort, registration) = AbortHandle::new_pair();
-        let task = futures_util::future::Abortable::new(std::future::pending::<()>(), registration);
-        let run = s
-            .start_background("alice", "r1", abort)
-            .expect("registered");
-        // The same id runs once per tenant at a time; another tenant's is its own.
-        let (other, _r) = AbortHandle::new_pair();
-        assert_eq!(s.start_background("alice", "r1", other.clone()), None);
-        let bobs = s.start_background("bob", "r1", other).expect("bob's own");
-        assert!(!task.is_aborted());
-        assert!(s.cancel_background("alice", "r1"));
-        assert!(task.is_aborted());
-        // Its task learns that it was cancelled; a second cancel finds nothing running.
-        assert!(!s.finish_background("alice", "r1", run));
-        assert!(!s.cancel_background("alice", "r1"));
-        // Bob's run is untouched, and ends by itself.
-        assert!(s.finish_background("bob", "r1", bobs));
-        assert!(!s.cancel_background("bob", "r1"));
-    }
-
-    /// A name is a background response's or stored foreground responses' at a time: each would
-    /// replace the other's entry, then be replaced by the other's end. Foreground ones share.
-    #[test]
-    fn a_name_is_background_or_foreground_at_a_time() {
-        let s = Arc::new(store(10, 1 << 20, None));
-        let first = s.claim_foreground("alice", "r1").expect("free");
-        let second = s.claim_foreground("alice", "r1").expect("shared");
-        let (abort, _r) = AbortHandle::new_pair();
-        assert_eq!(s.start_background("alice", "r1", abort.clone()), None);
-        let bobs = s
-            .start_background("bob", "r1", abort.clone())
-            .expect("bob's own");
-        assert!(s.claim_foreground("bob", "r1").is_none());
-        drop(first);
-        assert_eq!(s.start_background("alice", "r1", abort.clone()), None);
-        drop(second);
-        let run = s
-            .start_background("alice", "r1", abort)
-            .expect("free again");
-        assert!(s.claim_foreground("alice", "r1").is_none());
-        assert!(s.finish_background("alice", "r1", run));
-        assert!(s.finish_background("bob", "r1", bobs));
-        assert!(s.claim_foreground("alice", "r1").is_some());
-        assert!(s.foreground.lock().is_empty());
-    }
-
-    /// A tenant choosing another's id (a client's X-Request-Id names its response) stores its
-    /// own response beside the other's, and deletes only its own.
-    #[test]
-    fn the_same_id_in_two_tenants_is_two_responses() {
-        let s = store(10, 1 << 20, None);
-        s.insert("r1", "alice", json!({"who": "alice"}), turn("a", None));
-        s.insert("r1", "bob", json!({"who": "bob"}), turn("b", None));
-        assert_eq!(s.len(), 2);
-        assert!(s.remove("bob", "r1"));
-        assert_eq!(s.get("alice", "r1").unwrap().response["who"], "alice");
-    }
-
-    #[test]
-    fn a_long_chain_drops_without_deep_recursion() {
-        let mut t = turn("0", None);
-        for i in 1..200_000 {
-            t = Arc::new(Turn::new(vec![json!(i)], Vec::new(), Some(t)));
-        }
-        drop(t);
-    }
-}
+mod tests;

@@ -17,6 +17,16 @@
 //!   response has ended its events move into its stored entry, counted in its bytes, and leave
 //!   with it (evicted, expired or deleted); an ended response is stored even where the running
 //!   logs leave less room than it takes, so the total may pass the bound by that one response.
+//!   A running response's own `queued` entry never leaves for its events: it is out of the
+//!   store's recency order until it ends.
+//!
+//! A log lives only as long as the store keeps it: when its response leaves the store
+//! (deleted, evicted, expired, or replaced by another response of its name) its events are
+//! dropped at once, and each reader still reading them ends with an `error` event saying why
+//! ([`Gone`]), numbered as the event it would have read next. So no reader keeps events alive
+//! that the store no longer counts. (A response whose end is too large to keep with its
+//! events, or at all, is the exception: its readers, following it live, read its last events
+//! to their end, at most [`StoreLimits::max_event_bytes`] each.)
 //!
 //! Logs are in memory only: the journal keeps the ended response, not its events, so after a
 //! restart a stored response can be read back but not streamed.
@@ -45,7 +55,9 @@ pub(super) struct LogState {
     /// The frames' bytes.
     bytes: usize,
     /// Its last event is in: nothing more is appended.
-    ended: bool,
+    pub(super) ended: bool,
+    /// Its response left the store, and its events with it.
+    gone: Option<Gone>,
     /// Its bytes count among the store's running logs' ([`super::Inner::live_bytes`]): until
     /// it moves into a stored entry or is released.
     live: bool,
@@ -53,7 +65,7 @@ pub(super) struct LogState {
 
 impl LogState {
     /// The sequence number the next event would take.
-    fn end(&self) -> u64 {
+    pub(super) fn end(&self) -> u64 {
         self.first + self.frames.len() as u64
     }
 
@@ -79,6 +91,19 @@ pub enum Read {
     Ended,
     /// The events from the reader's on are no longer kept: the oldest kept one is this.
     Behind(u64),
+    /// The response left the store, and its events with it.
+    Gone(Gone),
+}
+
+/// Why a response's events were dropped while readers may still read them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gone {
+    /// `DELETE /v1/responses/{id}`.
+    Deleted,
+    /// The store's bounds let it go (count, bytes or age).
+    Evicted,
+    /// Another response of its name replaced it.
+    Replaced,
 }
 
 impl std::fmt::Debug for EventLog {
@@ -115,6 +140,9 @@ impl EventLog {
     /// (at least one).
     pub fn read(&self, next: u64, max_frames: usize, max_bytes: usize) -> Read {
         let state = self.state.lock();
+        if let Some(gone) = state.gone {
+            return Read::Gone(gone);
+        }
         if next < state.first {
             return Read::Behind(state.first);
         }
@@ -159,7 +187,7 @@ impl EventLog {
         self.state.lock()
     }
 
-    fn wake(&self) {
+    pub(super) fn wake(&self) {
         self.changed.send_replace(());
     }
 }
@@ -185,6 +213,35 @@ pub(super) fn move_into_entry(live_bytes: &mut usize, log: &EventLog) -> usize {
         state.live = false;
     }
     state.bytes
+}
+
+/// Stops counting `log` among the running logs, and ends it.
+pub(super) fn release(live_bytes: &mut usize, log: &EventLog) {
+    let mut state = log.lock();
+    if state.live {
+        *live_bytes -= state.bytes;
+        state.live = false;
+    }
+    state.ended = true;
+    drop(state);
+    log.wake();
+}
+
+/// Drops `log`'s events, its response having left the store (`gone` says how): its readers
+/// end with the `error` event that says so. A running log stops counting among the running
+/// logs (its task's later events are dropped).
+pub(super) fn close(live_bytes: &mut usize, log: &EventLog, gone: Gone) {
+    let mut state = log.lock();
+    if state.live {
+        *live_bytes -= state.bytes;
+        state.live = false;
+    }
+    state.frames = VecDeque::new();
+    state.bytes = 0;
+    state.ended = true;
+    state.gone = Some(gone);
+    drop(state);
+    log.wake();
 }
 
 impl ResponseStore {
@@ -220,7 +277,13 @@ impl ResponseStore {
         log.wake();
     }
 
-    fn append(&self, inner: &mut Inner, state: &mut LogState, frames: Vec<Bytes>, last: bool) {
+    pub(super) fn append(
+        &self,
+        inner: &mut Inner,
+        state: &mut LogState,
+        frames: Vec<Bytes>,
+        last: bool,
+    ) {
         let added: usize = frames.iter().map(Bytes::len).sum();
         state.frames.extend(frames);
         state.bytes += added;
@@ -236,9 +299,14 @@ impl ResponseStore {
             }
         }
         while state.live && inner.bytes + inner.live_bytes > self.limits.max_bytes {
+            // Finished responses leave first (a running one is out of the order, its own
+            // `queued` entry included), then the log's own oldest events. An evicted entry's
+            // log is locked to close it while this one is: it is another log, as a log still
+            // appended to is only ever held by a running entry, and a closed log is never
+            // appended to, so two appends cannot wait on each other's logs.
             if let Some((_, oldest)) = inner.order.first_key_value() {
                 let oldest = oldest.clone();
-                inner.remove(&oldest);
+                inner.remove(&oldest, Gone::Evicted);
                 self.journal_delete(&oldest);
                 metrics::counter!(RESPONSES_EVICTED, "reason" => "bytes").increment(1);
             } else if state.frames.len() > 1 {
@@ -255,16 +323,8 @@ impl ResponseStore {
     /// it: the response was deleted, or its end was too large to keep).
     pub fn release_events(&self, log: &EventLog) {
         let mut inner = self.inner.lock();
-        let mut state = log.lock();
-        if state.live {
-            inner.live_bytes -= state.bytes;
-            state.live = false;
-        }
-        state.ended = true;
-        drop(state);
+        release(&mut inner.live_bytes, log);
         inner.publish();
-        drop(inner);
-        log.wake();
     }
 
     /// Bytes the events of running background responses count now.

@@ -780,7 +780,7 @@ impl ResponseStore {
     /// Removes a response the journal says was deleted.
     fn remove_loaded(&self, tenant: &str, id: &str) {
         let mut inner = self.inner.lock();
-        inner.remove(&key(tenant, id));
+        inner.remove(&key(tenant, id), super::Gone::Deleted);
         inner.publish();
     }
 
@@ -798,7 +798,7 @@ impl ResponseStore {
             .map(|(k, _)| k.clone())
             .collect();
         for key in expired {
-            inner.remove(&key);
+            inner.remove(&key, super::Gone::Evicted);
             metrics::counter!(RESPONSES_EVICTED, "reason" => "age").increment(1);
         }
         inner.publish();

@@ -57,7 +57,7 @@ use crate::engine::FinishReason;
 use crate::error::ApiError;
 use crate::generation::{ChoiceDelta, Generation, RequestFields};
 use crate::response_store::{
-    EventLog, ForegroundName, Kept, ResponseStore, StoredResponse, Turn, MAX_CHAIN_DEPTH,
+    Cancel, EventLog, ForegroundName, Kept, ResponseStore, StoredResponse, Turn, MAX_CHAIN_DEPTH,
 };
 use crate::schema::responses::{
     rename_error, IncompleteDetails, OutputItem, OutputLogprob, OutputText, ReasoningText,
@@ -236,7 +236,11 @@ fn run_in_background(
     };
     let (abort, registration) = AbortHandle::new_pair();
     let store = Arc::clone(&state.responses);
-    let Some(run) = store.start_background(&keep.tenant, &template.id, abort) else {
+    template.status = "queued";
+    let events = stream.then(EventLog::new);
+    let queued = keep.stored_copy(&template, events.clone());
+    let Some((run, kept)) = store.start_background(&keep.tenant, &template.id, abort, queued)
+    else {
         // Dropping the generation aborts it.
         drop(generation);
         return ApiError::invalid(
@@ -249,9 +253,7 @@ fn run_in_background(
         )
         .error_response();
     };
-    template.status = "queued";
-    let events = stream.then(EventLog::new);
-    keep.keep_copy(&template, events.clone());
+    warn_not_kept(kept, &template.id);
     let queued = template.clone();
     let writer = ResponseWriter {
         reader,
@@ -259,6 +261,7 @@ fn run_in_background(
         keep: None,
     };
     let log = events.clone();
+    let id = template.id.clone();
     actix_web::rt::spawn(async move {
         // However the task ends, its events end and stop counting as a running response's.
         let _ending = log.clone().map(|log| EndEvents {
@@ -285,24 +288,23 @@ fn run_in_background(
             cancelled();
             return;
         };
-        if !store.finish_background(&keep.tenant, &template.id, run) {
-            cancelled();
-            return;
-        }
-        // The last events (the response's end, or its error) go in once the run is known not
-        // cancelled: a cancelled response's events end with the cancel's.
-        if let Some(log) = &log {
-            store.record_events(log, last, true);
-        }
-        match ended {
-            Ok(response) => keep.keep_with(&response, log),
+        let end = match ended {
+            Ok(response) => response,
             Err(e) => {
                 let body = e.to_body().error;
                 template.status = "failed";
                 template.error =
                     Some(json!({"code": body.code.unwrap_or(body.kind), "message": body.message}));
-                keep.keep_with(&template, log);
+                template
             }
+        };
+        let tenant = keep.tenant.clone();
+        let end = keep.stored(&end, log.clone());
+        // Its last events (the response's end, or its error) and its end go in at once, and
+        // only while it is still registered: a cancel or a DELETE that came first stands.
+        match store.finish_background(&tenant, &id, run, last, end) {
+            Some(kept) => warn_not_kept(kept, &id),
+            None => cancelled(),
         }
         // Until here: a drain waits for the end to be stored and its last events written.
         drop(in_flight);
@@ -441,16 +443,8 @@ pub(crate) async fn delete_response(
     principal: web::ReqData<Principal>,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    // A background response still running ends with it, and so do its events.
-    let events = state
-        .responses
-        .get(&principal.tenant, &id)
-        .and_then(|stored| stored.events);
-    if state.responses.cancel_background(&principal.tenant, &id) {
-        if let Some(log) = &events {
-            state.responses.end_events(log, replay::cancelled_event);
-        }
-    }
+    // A background response still running ends with it (aborted, at once: its task stores
+    // nothing more), and its streams end with a `response_deleted` event.
     if !state.responses.remove(&principal.tenant, &id) {
         return Err(ApiError::ResponseNotFound(shown(&id)));
     }
@@ -464,31 +458,24 @@ pub(crate) async fn cancel_response(
     principal: web::ReqData<Principal>,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let stored = find(&state, &principal, &id)?;
-    if !state.responses.cancel_background(&principal.tenant, &id) {
-        return Err(ApiError::invalid(
-            "response_id",
-            if stored.response["background"] == true {
-                "the response is not running any more: it cannot be cancelled"
-            } else {
-                "only responses created with background = true can be cancelled"
-            },
-        ));
-    }
-    // Its streams end with the cancel's `error` event.
-    if let Some(log) = &stored.events {
-        state.responses.end_events(log, replay::cancelled_event);
-    }
-    let mut response = stored.response;
-    response["status"] = json!("cancelled");
-    state.responses.insert_with_events(
-        &id,
-        &principal.tenant,
-        response.clone(),
-        stored.turn,
-        stored.events,
-    );
-    Ok(HttpResponse::Ok().json(response))
+    // Aborted, its streams ended with the cancel's `error` event and stored `cancelled`, at
+    // once: its task's end, if it comes meanwhile, is not stored.
+    let stored =
+        match state
+            .responses
+            .cancel_background(&principal.tenant, &id, replay::cancelled_event)
+        {
+            Cancel::Cancelled(response) => return Ok(HttpResponse::Ok().json(response)),
+            Cancel::NotRunning => find(&state, &principal, &id)?,
+        };
+    Err(ApiError::invalid(
+        "response_id",
+        if stored.response["background"] == true {
+            "the response is not running any more: it cannot be cancelled"
+        } else {
+            "only responses created with background = true can be cancelled"
+        },
+    ))
 }
 
 /// Most items in one page of `input_items` (OpenAI's bound), and the default.
@@ -610,9 +597,13 @@ struct Keep {
 }
 
 impl Keep {
-    /// Stores `response` as it is now with `events` (a running background response's),
-    /// keeping what a later [`Keep::keep`] needs.
-    fn keep_copy(&self, response: &ResponseObject, events: Option<Arc<EventLog>>) {
+    /// `response` as it is now with `events` (a running background response's) as the store
+    /// keeps it, keeping what a later [`Keep::stored`] needs.
+    fn stored_copy(
+        &self,
+        response: &ResponseObject,
+        events: Option<Arc<EventLog>>,
+    ) -> StoredResponse {
         Keep {
             store: Arc::clone(&self.store),
             tenant: self.tenant.clone(),
@@ -620,30 +611,39 @@ impl Keep {
             parent: self.parent.clone(),
             _name: None,
         }
-        .keep_with(response, events);
+        .stored(response, events)
     }
 
-    fn keep(self, response: &ResponseObject) {
-        self.keep_with(response, None);
-    }
-
-    /// Stores `response` with its events, if kept.
-    fn keep_with(self, response: &ResponseObject, events: Option<Arc<EventLog>>) {
+    /// `response` with its events, and the turn it completes, as the store keeps them.
+    fn stored(self, response: &ResponseObject, events: Option<Arc<EventLog>>) -> StoredResponse {
         let output = response.output.iter().map(|item| json!(item)).collect();
-        let turn = Arc::new(Turn::new(self.input, output, self.parent));
-        match self.store.insert_with_events(
-            &response.id,
-            &self.tenant,
-            json!(response),
-            turn,
+        StoredResponse {
+            response: json!(response),
+            turn: Arc::new(Turn::new(self.input, output, self.parent)),
             events,
-        ) {
-            Kept::Yes | Kept::Disabled => {}
-            Kept::TooLarge => tracing::warn!(
-                response_id = %response.id,
-                "response not stored: larger than the store's byte bound (server.responses.max_stored_mb)"
-            ),
         }
+    }
+
+    /// Stores `response`, if kept.
+    fn keep(self, response: &ResponseObject) {
+        let store = Arc::clone(&self.store);
+        let tenant = self.tenant.clone();
+        let stored = self.stored(response, None);
+        warn_not_kept(
+            store.insert(&response.id, &tenant, stored.response, stored.turn),
+            &response.id,
+        );
+    }
+}
+
+/// Warns of a response not stored as larger than the store's byte bound.
+fn warn_not_kept(kept: Kept, id: &str) {
+    match kept {
+        Kept::Yes | Kept::Disabled => {}
+        Kept::TooLarge => tracing::warn!(
+            response_id = %id,
+            "response not stored: larger than the store's byte bound (server.responses.max_stored_mb)"
+        ),
     }
 }
 

@@ -5,7 +5,7 @@ use bytes::Bytes;
 use serde_json::json;
 
 use super::*;
-use crate::response_store::{Kept, Turn};
+use crate::response_store::{Gone, Kept, StoredResponse, Turn};
 
 fn store(max_bytes: usize) -> ResponseStore {
     ResponseStore::new(StoreLimits {
@@ -248,4 +248,139 @@ fn a_running_log_outlives_an_entry_too_large_to_keep() {
     );
     assert_eq!(read_all(&log, 0, 10), (events(0..4, 10), Read::Ended));
     assert_eq!(s.live_event_bytes(), 0);
+}
+
+fn stored(id: &str, status: &str, log: &Arc<EventLog>) -> StoredResponse {
+    StoredResponse {
+        response: json!({"id": id, "status": status}),
+        turn: turn(),
+        events: Some(Arc::clone(log)),
+    }
+}
+
+/// Regression (a running response evicted by its own events): its growing log made the store
+/// evict its own `queued` entry (the least recently used), and GET and resume were 404s until
+/// its end was stored. Now finished responses leave first, then the log's own oldest events;
+/// the running entry stays.
+#[test]
+fn a_running_response_is_not_evicted_by_its_own_events() {
+    let s = store(8000);
+    let log = EventLog::new();
+    let (abort, _r) = futures_util::future::AbortHandle::new_pair();
+    let (run, kept) = s
+        .start_background("t", "r", abort, stored("r", "queued", &log))
+        .expect("registered");
+    assert_eq!(kept, Kept::Yes);
+    for id in ["a", "b", "c"] {
+        let pad = json!({"id": id, "pad": "p".repeat(2300)});
+        assert_eq!(s.insert(id, "t", pad, turn()), Kept::Yes);
+    }
+    // 1000 bytes of events: "a", the least recently used finished one, leaves for them.
+    s.record_events(&log, events(0..100, 10), false);
+    assert!(s.get("t", "r").is_some(), "evicted by its own events");
+    assert!(s.get("t", "a").is_none());
+    assert_eq!(log.span(), (0, 100));
+    // With no finished response left, the log drops its own oldest events instead.
+    s.remove("t", "b");
+    s.remove("t", "c");
+    let others: Vec<Arc<EventLog>> = (0..7).map(|_| EventLog::new()).collect();
+    for other in &others {
+        s.record_events(other, events(0..100, 10), false);
+    }
+    s.record_events(&log, events(100..150, 10), false);
+    assert!(s.bytes() + s.live_event_bytes() <= 8000);
+    assert!(s.get("t", "r").is_some(), "evicted by its own events");
+    let (first, end) = log.span();
+    assert!(first > 0 && end == 150, "{first}..{end}");
+    let done = stored("r", "completed", &log);
+    let last = events(150..151, 10);
+    assert_eq!(
+        s.finish_background("t", "r", run, last, done),
+        Some(Kept::Yes)
+    );
+    assert_eq!(
+        s.get("t", "r").expect("stored").response["status"],
+        "completed"
+    );
+}
+
+/// Regression (readers keeping dropped events alive, uncounted): a reader of a response that
+/// left the store (evicted, deleted, or replaced by another of its name) held its events until
+/// it ended. Now they are dropped at once, and the reader finds why.
+#[test]
+fn the_events_of_a_response_that_leaves_are_dropped_at_once() {
+    let s = store(8000);
+    let ended = |id: &str| {
+        let log = EventLog::new();
+        s.record_events(&log, events(0..90, 10), true);
+        s.insert_with_events(id, "t", json!({"id": id}), turn(), Some(Arc::clone(&log)));
+        assert!(matches!(log.read(0, 10, usize::MAX), Read::Frames(..)));
+        log
+    };
+    // Evicted.
+    let log = ended("r");
+    for id in ["a", "b", "c", "d"] {
+        s.insert(id, "t", json!({"id": id, "pad": "p".repeat(2000)}), turn());
+    }
+    assert!(s.get("t", "r").is_none(), "evicted");
+    assert_eq!(
+        log.bytes(),
+        0,
+        "a reader holds an evicted response's events"
+    );
+    assert_eq!(log.read(5, 10, usize::MAX), Read::Gone(Gone::Evicted));
+    // Deleted.
+    let log = ended("r");
+    assert!(s.remove("t", "r"));
+    assert_eq!(log.bytes(), 0);
+    assert_eq!(log.read(0, 10, usize::MAX), Read::Gone(Gone::Deleted));
+    // Replaced by another response of its name.
+    let log = ended("r");
+    s.insert("r", "t", json!({"id": "r", "again": true}), turn());
+    assert_eq!(log.read(0, 10, usize::MAX), Read::Gone(Gone::Replaced));
+    // A running one deleted: its task's later events are dropped, and nothing counts.
+    let log = EventLog::new();
+    let (abort, _r) = futures_util::future::AbortHandle::new_pair();
+    let (run, _) = s
+        .start_background("t", "bg", abort, stored("bg", "queued", &log))
+        .expect("registered");
+    s.record_events(&log, events(0..10, 10), false);
+    assert!(s.remove("t", "bg"));
+    assert_eq!(s.live_event_bytes(), 0);
+    s.record_events(&log, events(10..20, 10), false);
+    let late = stored("bg", "completed", &log);
+    assert_eq!(s.finish_background("t", "bg", run, Vec::new(), late), None);
+    assert_eq!(log.read(0, 10, usize::MAX), Read::Gone(Gone::Deleted));
+    assert_eq!((log.bytes(), s.live_event_bytes()), (0, 0));
+    // A log handed from the `queued` entry to its end's stays.
+    let log = EventLog::new();
+    let (abort, _r) = futures_util::future::AbortHandle::new_pair();
+    let (run, _) = s
+        .start_background("t", "bg2", abort, stored("bg2", "queued", &log))
+        .expect("registered");
+    let done = stored("bg2", "completed", &log);
+    s.finish_background("t", "bg2", run, events(0..3, 10), done);
+    assert_eq!(read_all(&log, 0, 10), (events(0..3, 10), Read::Ended));
+}
+
+/// An entry holding events still written stays out of the eviction order even unregistered:
+/// its log's own growth drops its oldest events, never the entry (evicting it would close the
+/// very log being appended to, under that log's lock).
+#[test]
+fn an_entry_with_running_events_is_not_evicted_by_them() {
+    let s = store(8000);
+    let log = EventLog::new();
+    let queued = json!({"id": "r", "status": "queued"});
+    assert_eq!(
+        s.insert_with_events("r", "t", queued, turn(), Some(Arc::clone(&log))),
+        Kept::Yes
+    );
+    for id in ["a", "b", "c"] {
+        let pad = json!({"id": id, "pad": "p".repeat(2300)});
+        assert_eq!(s.insert(id, "t", pad, turn()), Kept::Yes);
+    }
+    s.record_events(&log, events(0..100, 10), false);
+    assert!(s.get("t", "r").is_some());
+    assert!(s.get("t", "a").is_none(), "a finished one left instead");
+    assert_eq!(log.span(), (0, 100));
 }

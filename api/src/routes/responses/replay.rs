@@ -6,7 +6,10 @@
 //! each new one as it is appended, until the log has ended (its `response.completed`,
 //! `response.incomplete` or `error` event, or the `error` event of a cancel). The stream holds
 //! no events of its own, only its place in the log, so a slow reader grows no memory; one that
-//! falls behind the oldest event the log keeps is cut off with an `error` event. A client that
+//! falls behind the oldest event the log keeps is cut off with an `error` event, and one
+//! reading a response that leaves the store (deleted, evicted, expired or replaced) ends at once
+//! with an `error` event saying so (`response_deleted`, `response_evicted`,
+//! `response_replaced`), the events being dropped with it. A client that
 //! hangs up ends its stream only: the response runs on (as the `heartbeat` comments, sent when
 //! nothing else is, let a closed connection show). A drain ends the streams as it ends the
 //! responses: with the `error` event of a response cut at the drain timeout.
@@ -20,7 +23,7 @@ use bytes::{Bytes, BytesMut};
 use serde_json::json;
 
 use crate::error::ApiError;
-use crate::response_store::{EventLog, Read, StoreLimits, StoredResponse};
+use crate::response_store::{EventLog, Gone, Read, StoreLimits, StoredResponse};
 use crate::sse::{event_frame, HEARTBEAT, HEARTBEAT_FRAME};
 
 /// Most events one chunk of a stream carries.
@@ -164,6 +167,10 @@ pub(super) fn stream_events(log: Arc<EventLog>, next: u64) -> HttpResponse {
                     let frame = cut_off_event(r.next, first);
                     return Some((Ok(frame), r));
                 }
+                Read::Gone(gone) => {
+                    r.done = true;
+                    return Some((Ok(gone_event(r.next, gone)), r));
+                }
                 Read::Wait => {
                     match tokio::time::timeout(HEARTBEAT, r.changes.changed()).await {
                         Err(_) => return Some((Ok(Bytes::from_static(HEARTBEAT_FRAME)), r)),
@@ -209,6 +216,28 @@ pub(super) fn cancelled_event(sequence: u64) -> Bytes {
         "response_cancelled",
         "The response was cancelled (POST /v1/responses/{id}/cancel or DELETE) before it ended.",
     )
+}
+
+/// The `error` event of a reader whose response left the store, and its events with it: it
+/// takes the sequence number of the event it would have read next.
+fn gone_event(next: u64, gone: Gone) -> Bytes {
+    let (code, why) = match gone {
+        Gone::Deleted => (
+            "response_deleted",
+            "The response was deleted (DELETE /v1/responses/{id}); a running one was cancelled.",
+        ),
+        Gone::Evicted => (
+            "response_evicted",
+            "The response is no longer stored: the server let it go to stay within its bounds \
+             (server.responses.max_stored, max_stored_mb, max_age_s), and its events with it.",
+        ),
+        Gone::Replaced => (
+            "response_replaced",
+            "The response is no longer stored: another response of its id (X-Request-Id) \
+             replaced it, and its events with it.",
+        ),
+    };
+    error_event(next, code, why)
 }
 
 /// The `error` event of a reader that fell behind the oldest event kept: it takes the
@@ -303,5 +332,27 @@ mod tests {
         assert_eq!(v["code"], "response_cancelled");
         assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()));
         assert!(v["param"].is_null());
+    }
+
+    /// A reader whose response left the store is told why, at the number it would have read.
+    #[test]
+    fn a_gone_response_names_why() {
+        for (gone, code) in [
+            (Gone::Deleted, "response_deleted"),
+            (Gone::Evicted, "response_evicted"),
+            (Gone::Replaced, "response_replaced"),
+        ] {
+            let frame = gone_event(4, gone);
+            let text = std::str::from_utf8(&frame).unwrap();
+            let data = text
+                .strip_prefix("event: error\ndata: ")
+                .and_then(|t| t.strip_suffix("\n\n"))
+                .unwrap();
+            let v: serde_json::Value = serde_json::from_str(data).unwrap();
+            assert_eq!(
+                (v["code"].as_str(), v["sequence_number"].as_u64()),
+                (Some(code), Some(4))
+            );
+        }
     }
 }
