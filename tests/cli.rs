@@ -1058,6 +1058,79 @@ fn simulate_locates_a_misspelt_policy_or_parameter_and_suggests_the_name() {
     );
 }
 
+/// `changes:` through the binary: `sim-policy-swap.yaml` prints its phases table and writes
+/// them to `summary.json`; a change the server cannot make while it runs is refused before
+/// the run, naming the field and the time, as is one after the workload's last arrival.
+#[test]
+fn simulate_reports_a_policy_swap_by_phase_and_refuses_what_takes_a_restart() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dir = temp_dir("simulate-policy-swap");
+    let out = succeeds(
+        switchyard()
+            .args([
+                "simulate",
+                "--config",
+                "config/examples/sim-policy-swap.yaml",
+                "--out",
+            ])
+            .arg(dir.join("out"))
+            .current_dir(root),
+    );
+    assert!(out.contains("\nphases: "), "{out}");
+    assert!(out.contains("change 1 at 50 s: policy slo-aware"), "{out}");
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("out").join("summary.json")).unwrap())
+            .unwrap();
+    for p in summary["policies"].as_array().unwrap() {
+        let phases = p["phases"].as_array().unwrap();
+        assert_eq!(phases.len(), 3, "{p}");
+        let total: u64 = phases
+            .iter()
+            .map(|ph| ph["requests"].as_u64().unwrap())
+            .sum();
+        assert_eq!(total, p["requests"].as_u64().unwrap());
+        assert_eq!(phases[2]["start"]["at_s"], 100.0);
+    }
+    let trace = PathBuf::from(root).join("config/examples/sim-sample-trace.jsonl");
+    let spec = dir.join("spec.yaml");
+    let s = spec.display();
+    for (changes, want) in [
+        (
+            "[{at_s: 1, policy: {name: priority}}, {at_s: 2, scheduler: {max_num_seqs: 64}}]",
+            format!(
+                "{s}: changes[1] (at_s 2): scheduler.max_num_seqs: takes a restart of the server"
+            ),
+        ),
+        (
+            "[{at_s: 2, policy: {name: priority}}, {at_s: 1, policy: {name: fcfs}}]",
+            format!("{s}: changes[1] (at_s 1): at_s must be later than changes[0]'s (2)"),
+        ),
+        (
+            "[{at_s: 1e5, policy: {name: priority}}]",
+            format!("{s}: changes[0] (at_s 100000): after the workload's last arrival"),
+        ),
+    ] {
+        std::fs::write(
+            &spec,
+            format!(
+                "seed: 1\nmodel: smollm2-135m\npolicies: [{{name: fcfs}}]\n\
+                 tiers: {{premium: {{}}, standard: {{}}, batch: {{}}}}\n\
+                 workload: {{trace: {}, format: jsonl}}\nchanges: {changes}\n",
+                trace.display()
+            ),
+        )
+        .unwrap();
+        let err = fails(
+            switchyard()
+                .args(["simulate", "--config"])
+                .arg(&spec)
+                .arg("--out")
+                .arg(dir.join("bad")),
+        );
+        assert!(err.contains(&want), "{changes}: {err}");
+    }
+}
+
 /// An output that cannot be written is named as the user asked for it, under `--out`: the
 /// error named the temporary file it is written through (`summary.json.tmp`), which the user
 /// never asked for, as the file at fault.

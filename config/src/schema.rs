@@ -897,6 +897,22 @@ impl Default for PolicySpec {
     }
 }
 
+impl PolicySpec {
+    /// Whether `other` names the same policy with the same parameters, no parameters and an
+    /// empty mapping alike: as the server compares a reloaded or `PUT /admin/policy` policy
+    /// with the one in force, which it then leaves running (a swap would reset its state).
+    pub fn same_policy(&self, other: &PolicySpec) -> bool {
+        fn params(v: &serde_yaml::Value) -> Option<&serde_yaml::Value> {
+            match v {
+                serde_yaml::Value::Null => None,
+                serde_yaml::Value::Mapping(m) if m.is_empty() => None,
+                v => Some(v),
+            }
+        }
+        self.name == other.name && params(&self.params) == params(&other.params)
+    }
+}
+
 /// Most sequences in one step (`scheduler.max_num_seqs`): the rows a backend samples in one
 /// step. The simulator's spec shares the bound, so it cannot model a server that cannot run.
 pub const MAX_NUM_SEQS: usize = 2048;
@@ -1510,5 +1526,41 @@ impl Config {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod policy_spec_tests {
+    use super::PolicySpec;
+
+    fn spec(yaml: &str) -> PolicySpec {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn same_policy_takes_no_params_and_empty_params_alike() {
+        let cases = [
+            ("{name: fcfs}", "{name: fcfs, params: {}}", true),
+            ("{name: fcfs}", "{name: priority}", false),
+            (
+                "{name: priority, params: {aging_interval_ms: 100}}",
+                "{name: priority, params: {aging_interval_ms: 100}}",
+                true,
+            ),
+            (
+                "{name: priority, params: {aging_interval_ms: 100}}",
+                "{name: priority, params: {aging_interval_ms: 200}}",
+                false,
+            ),
+            (
+                "{name: priority}",
+                "{name: priority, params: {aging_interval_ms: 100}}",
+                false,
+            ),
+        ];
+        for (a, b, same) in cases {
+            assert_eq!(spec(a).same_policy(&spec(b)), same, "{a} vs {b}");
+            assert_eq!(spec(b).same_policy(&spec(a)), same, "{b} vs {a}");
+        }
     }
 }

@@ -2,8 +2,9 @@
 //! scheduling core (`switchyard_policies::Scheduler`) step by step.
 //!
 //! Events are request arrivals, requests leaving the front end (the server's time per request
-//! outside its steps, [`crate::front_end`]: 0 unless a spec or calibration sets it) and step
-//! completions. The requests that arrive during a step are checked against their rate limits
+//! outside its steps, [`crate::front_end`]: 0 unless a spec or calibration sets it), step
+//! completions and a spec's `changes` ([`crate::changes`]: a policy swap, or what a reload
+//! applies, made at the first step boundary from its time). The requests that arrive during a step are checked against their rate limits
 //! and bounds before the step's outputs are applied (the seats its finished requests hold are
 //! theirs until it ends, as on the server); at each step boundary the loop checks every
 //! request that has arrived since, queues every one whose front-end time has passed, asks the
@@ -16,6 +17,7 @@
 //! Same inputs and seed give byte-identical outputs: no wall clock, no hash
 //! map iteration, requests identified by their trace index.
 
+use crate::changes::{AppliedChange, TimedChange};
 use crate::cost::{kv_capacity_blocks, Calibration, CostModel, HardwareSpec, ModelSpec};
 use crate::error::SimError;
 use crate::front_end::FrontEnd;
@@ -66,6 +68,8 @@ pub struct StepSample {
 pub struct PolicyRun {
     /// Policy label.
     pub label: String,
+    /// The registered name of the policy the run started with.
+    pub policy_name: String,
     /// One record per trace request, in trace order.
     pub records: Vec<RequestRecord>,
     /// Every inter-token gap, in ms: one per step that brings a request tokens (after its
@@ -82,6 +86,8 @@ pub struct PolicyRun {
     pub lora_memory: Option<crate::report::LoraMemorySummary>,
     /// What the host KV tier did (`cache.kv_offloading_size`; `None` without one).
     pub host_kv: Option<crate::report::HostKvSummary>,
+    /// The spec's `changes`, as the run applied them, in time order (empty without any).
+    pub changes: Vec<AppliedChange>,
 }
 
 /// A spec resolved into the pieces the loop needs.
@@ -119,6 +125,8 @@ pub struct Simulation {
     /// microseconds (`block_bytes / cache.host_load_bandwidth_gb_s`, which defaults to
     /// `host_bandwidth_gb_s`).
     pub host_load_us_per_block: f64,
+    /// The spec's `changes`, resolved, in time order ([`crate::changes`]).
+    pub changes: Vec<TimedChange>,
 }
 
 /// Bytes in a GiB (`cache.kv_offloading_size`).
@@ -396,6 +404,14 @@ impl Simulation {
                     message: e.to_string(),
                 })?;
         }
+        let changes = crate::changes::timed(&spec.changes).map_err(|m| SimError::spec(cli, m))?;
+        for (i, c) in changes.iter().enumerate() {
+            let Some(p) = &c.policy else { continue };
+            let (params, _) = policy_params(p, slo_aware.as_ref());
+            registry
+                .create(&p.name, &params, &scheduler.tiers)
+                .map_err(|e| SimError::spec(cli, format!("changes[{i}]: policy: {e}")))?;
+        }
         let lora_memory = match &spec.scheduler.lora_memory {
             None => None,
             Some(m) => {
@@ -426,6 +442,7 @@ impl Simulation {
             }
         };
         Ok(Simulation {
+            changes,
             lora_memory,
             spec: spec.clone(),
             cost,
@@ -561,7 +578,12 @@ impl Simulation {
             })
             .collect();
         // The engine's capacity: adapters all in memory (loads are no step's work).
-        let run = self.run_policy_with(&PolicySpec::named("fcfs"), &sample, false, false)?;
+        let run = self.run_policy_with(
+            &PolicySpec::named("fcfs"),
+            &sample,
+            false,
+            RunKind::CapacityEstimate,
+        )?;
         if sample.is_empty() {
             return Err(SimError::Scheduler(
                 "capacity estimate: the trace has no requests".into(),
@@ -591,27 +613,26 @@ impl Simulation {
         requests: &[TraceRequest],
         progress: bool,
     ) -> Result<PolicyRun, SimError> {
-        self.run_policy_with(policy, requests, progress, true)
+        self.run_policy_with(policy, requests, progress, RunKind::Full)
     }
 
-    /// [`Simulation::run_policy`], the LoRA adapters' host memory modelled (`lora_memory`,
-    /// when the spec sets it) or every adapter in memory.
+    /// [`Simulation::run_policy`] as `kind` says: the spec's whole model, or the capacity
+    /// estimate's (every adapter in memory, no changes).
     fn run_policy_with(
         &self,
         policy: &PolicySpec,
         requests: &[TraceRequest],
         progress: bool,
-        lora_memory: bool,
+        kind: RunKind,
     ) -> Result<PolicyRun, SimError> {
-        let registry = PolicyRegistry::with_builtins();
-        let (params, params_from_calibration) = policy_params(policy, self.slo_aware.as_ref());
-        let boxed = registry
-            .create(&policy.name, &params, &self.scheduler.tiers)
-            .map_err(|e| SimError::Policy {
-                path: self.spec.source().to_path_buf(),
-                name: policy.name.clone(),
-                message: e.to_string(),
-            })?;
+        let full = kind == RunKind::Full;
+        let changes: &[TimedChange] = if full { &self.changes } else { &[] };
+        if full {
+            let last_arrival_s = requests.iter().map(|r| r.arrival_s).fold(0.0, f64::max);
+            crate::changes::check_times(&self.spec.changes, last_arrival_s)
+                .map_err(|m| SimError::spec(self.spec.source(), m))?;
+        }
+        let (boxed, params_from_calibration) = self.build_policy(policy)?;
         let key = [
             trace::mix64(self.spec.seed ^ 0x5357_4954_4348),
             trace::mix64(self.spec.seed.wrapping_add(1)),
@@ -620,8 +641,8 @@ impl Simulation {
             .map_err(|e| SimError::Scheduler(e.to_string()))?;
         sched.set_draft_source(Some(Box::new(InventedDrafts)));
         let progress = policy_progress(progress, requests.len(), policy.label());
-        let mut lp = Loop::new(self, sched, requests, policy.label());
-        if lora_memory {
+        let mut lp = Loop::new(self, sched, requests, policy, changes);
+        if full {
             lp.memory = self
                 .lora_memory
                 .as_ref()
@@ -639,7 +660,38 @@ impl Simulation {
             ..lp.into_run()
         })
     }
+
+    /// Builds `policy` with the parameters it runs with ([`policy_params`]) and the spec's
+    /// tiers, as the server's registry builds it; returns the calibration's figures taken.
+    fn build_policy(&self, policy: &PolicySpec) -> Result<BuiltPolicy, SimError> {
+        let (params, taken) = policy_params(policy, self.slo_aware.as_ref());
+        let boxed = PolicyRegistry::with_builtins()
+            .create(&policy.name, &params, &self.scheduler.tiers)
+            .map_err(|e| SimError::Policy {
+                path: self.spec.source().to_path_buf(),
+                name: policy.name.clone(),
+                message: e.to_string(),
+            })?;
+        Ok((boxed, taken))
+    }
 }
+
+/// What a run models.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RunKind {
+    /// The spec's whole model: the LoRA adapters' host memory (`scheduler.lora_memory`, when
+    /// the spec sets it) and its `changes`.
+    Full,
+    /// The capacity estimate's: every adapter in memory, and the server as it starts (no
+    /// changes).
+    CapacityEstimate,
+}
+
+/// A policy built for a run, and the calibration's figures its parameters took.
+type BuiltPolicy = (
+    Box<dyn switchyard_policies::Policy>,
+    Option<ParamsFromCalibration>,
+);
 
 /// The parameters `policy` runs with: its spec's, with the `slo-aware` parameters it leaves
 /// unset taken from the calibration's `slo_aware` (its file and the parameters its fit
@@ -850,6 +902,19 @@ struct Loop<'a> {
     adapter_wait: Vec<Option<u64>>,
     /// The requests the memory serves or refuses, reused.
     answers: crate::lora_memory::Answers,
+    /// The changes to make ([`Simulation::changes`]; none for the capacity estimate).
+    changes: &'a [TimedChange],
+    /// The next of `changes` to make.
+    next_change: usize,
+    /// The policy in force, as written (the run's, then the changes').
+    policy_in_force: PolicySpec,
+    /// The server's bound on requests in flight in force (`scheduler.max_pending_requests`,
+    /// then the changes' `server.max_pending_requests`).
+    max_pending: Option<usize>,
+    /// The changes applied so far.
+    applied: Vec<AppliedChange>,
+    /// The registered name of the policy the run started with.
+    policy_name: String,
 }
 
 /// The token the simulator invents at position `pos` of request `id`: deterministic in both,
@@ -874,7 +939,8 @@ impl<'a> Loop<'a> {
         sim: &'a Simulation,
         sched: Scheduler,
         requests: &'a [TraceRequest],
-        label: &str,
+        policy: &PolicySpec,
+        changes: &'a [TimedChange],
     ) -> Self {
         // A client's requests in arrival order: each after the one before it.
         let mut successor = vec![None; requests.len()];
@@ -905,7 +971,7 @@ impl<'a> Loop<'a> {
             chained,
             released: BTreeSet::new(),
             tiers: &sim.spec.tiers,
-            label: label.to_string(),
+            label: policy.label().to_string(),
             tracks: vec![Track::default(); requests.len()],
             itls_ms: Vec::new(),
             samples: Vec::new(),
@@ -943,6 +1009,12 @@ impl<'a> Loop<'a> {
             holds_adapter: vec![false; requests.len()],
             adapter_wait: vec![None; requests.len()],
             answers: Default::default(),
+            changes,
+            next_change: 0,
+            policy_in_force: policy.clone(),
+            max_pending: sim.spec.scheduler.max_pending_requests,
+            applied: Vec::new(),
+            policy_name: policy.name.clone(),
         }
     }
 
@@ -991,6 +1063,7 @@ impl<'a> Loop<'a> {
         let mut plan = StepPlan::default();
         let mut outputs: Vec<StepOutput> = Vec::new();
         loop {
+            self.apply_changes(now)?;
             finished += self.admit_arrivals(now, &mut next);
             if !self.sched.has_unfinished() {
                 match self.next_event(next) {
@@ -1044,6 +1117,7 @@ impl<'a> Loop<'a> {
         let mut in_flight: Option<(StepPlan, Vec<StepOutput>, u64)> = None;
         let mut in_order = false;
         loop {
+            self.apply_changes(now)?;
             finished += self.admit_arrivals(now, &mut next);
             if !self.sched.has_unfinished() && in_flight.is_none() {
                 match self.next_event(next) {
@@ -1272,14 +1346,52 @@ impl<'a> Loop<'a> {
         refused
     }
 
-    /// When the next request arrives or leaves the front end, or the next LoRA event comes,
-    /// if any is left to.
+    /// Applies the changes made by `now`, at this step boundary (as the server's scheduler
+    /// takes a swap before it plans its next step): a new policy goes in through
+    /// [`Scheduler::swap_policy`], the server's own swap, unless it equals the one in force
+    /// (left running, as the server leaves it); a new bound on requests in flight holds for
+    /// the arrivals from then on.
+    fn apply_changes(&mut self, now: u64) -> Result<(), SimError> {
+        let (sim, changes) = (self.sim, self.changes);
+        while let Some(change) = changes.get(self.next_change).filter(|c| c.at_us <= now) {
+            self.next_change += 1;
+            let stats = self.sched.stats();
+            let mut swapped = false;
+            if let Some(p) = change
+                .policy
+                .as_ref()
+                .filter(|p| !crate::changes::same_policy(p, &self.policy_in_force))
+            {
+                let (policy, _) = sim.build_policy(p)?;
+                self.sched.swap_policy(policy);
+                self.policy_in_force = p.clone();
+                swapped = true;
+            }
+            if let Some(n) = change.max_pending_requests {
+                self.max_pending = Some(n);
+            }
+            self.applied.push(AppliedChange {
+                at_s: change.at_us as f64 / 1e6,
+                applied_s: now as f64 / 1e6,
+                what: change.what.clone(),
+                swapped,
+                policy: self.policy_in_force.name.clone(),
+                waiting: stats.num_waiting as u64,
+                running: stats.num_running as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// When the next request arrives or leaves the front end, the next LoRA event comes or
+    /// the next change is made, if any is left to.
     fn next_event(&self, next: usize) -> Option<u64> {
         let arrival = self.next_arrival(next).map(|a| a.0);
         let ready = [
             self.front_end.first().map(|q| q.0),
             self.refused_at_queue.first().map(|r| r.0),
             self.lora_event(),
+            self.changes.get(self.next_change).map(|c| c.at_us),
         ]
         .into_iter()
         .flatten()
@@ -1334,7 +1446,7 @@ impl<'a> Loop<'a> {
             &r.tier,
             &r.tenant,
             crate::in_flight::Limits {
-                server: self.sim.spec.scheduler.max_pending_requests,
+                server: self.max_pending,
                 tier: tier.and_then(|t| t.max_pending_requests),
                 tenant: tier.and_then(|t| t.max_pending_per_tenant),
             },
@@ -1657,6 +1769,7 @@ impl<'a> Loop<'a> {
         });
         PolicyRun {
             label: self.label,
+            policy_name: self.policy_name,
             records,
             itls_ms: self.itls_ms,
             samples: self.samples,
@@ -1664,6 +1777,7 @@ impl<'a> Loop<'a> {
             params_from_calibration: None,
             lora_memory,
             host_kv,
+            changes: self.applied,
         }
     }
 }
@@ -3236,3 +3350,7 @@ mod lora_tests;
 #[cfg(test)]
 #[path = "engine_host_kv_tests.rs"]
 mod host_kv_tests;
+
+#[cfg(test)]
+#[path = "engine_swap_tests.rs"]
+mod swap_tests;

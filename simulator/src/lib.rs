@@ -14,6 +14,7 @@
 //! ```
 
 pub mod calibrate;
+pub mod changes;
 pub mod cost;
 pub mod engine;
 pub mod error;
@@ -23,6 +24,7 @@ pub mod lora_cost;
 pub mod lora_memory;
 pub mod lora_registry;
 pub mod outputs;
+pub mod phases;
 pub mod plot;
 pub mod progress;
 pub mod report;
@@ -270,6 +272,8 @@ pub fn simulate(
                 s.params_from_calibration = r.params_from_calibration.clone();
                 s.lora_memory = r.lora_memory.clone();
                 s.host_kv = r.host_kv.clone();
+                s.phases =
+                    phases::phase_summaries(&r.records, &r.changes, &r.policy_name, &spec.tiers);
                 // When each request was sent in this run: its trace arrival, or for a
                 // closed-loop client's, its release.
                 let sent: Vec<f64> = r.records.iter().map(|r| r.arrival_s).collect();

@@ -154,7 +154,7 @@ impl LatencyStats {
 }
 
 /// `x` with `decimals` decimals, or "n/a" for a statistic of an empty sample.
-fn fmt_ms(x: Option<f64>, decimals: usize) -> String {
+pub(crate) fn fmt_ms(x: Option<f64>, decimals: usize) -> String {
     x.map_or_else(|| "n/a".to_string(), |v| format!("{v:.decimals$}"))
 }
 
@@ -324,6 +324,11 @@ pub struct PolicySummary {
     /// without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_kv: Option<HostKvSummary>,
+    /// With `changes` in the spec: the figures of each phase, the requests arriving before
+    /// the first change, then from each change to the next ([`crate::phases`]); absent
+    /// without changes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<crate::phases::PhaseSummary>,
 }
 
 /// What the host KV tier did in a run.
@@ -540,6 +545,7 @@ impl PolicySummary {
             params_from_calibration: None,
             lora_memory: None,
             host_kv: None,
+            phases: Vec::new(),
         }
     }
 }
@@ -564,7 +570,7 @@ fn ratio(a: f64, b: f64) -> f64 {
     }
 }
 
-fn stats_of<'a>(
+pub(crate) fn stats_of<'a>(
     records: impl Iterator<Item = &'a RequestRecord>,
     f: impl Fn(&RequestRecord) -> Option<f64>,
 ) -> LatencyStats {
@@ -572,7 +578,7 @@ fn stats_of<'a>(
     LatencyStats::from_values(&mut v)
 }
 
-fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSummary {
+pub(crate) fn tier_summary(tier: &str, rs: &[&RequestRecord], duration_s: f64) -> TierSummary {
     let attainment = |get: fn(&RequestRecord) -> Option<bool>| {
         let targeted = rs.iter().filter(|r| get(r).is_some()).count();
         (targeted > 0)
@@ -989,6 +995,7 @@ impl Comparison {
                 }
             }
         }
+        s.push_str(&crate::phases::phases_text(&self.policies));
         s
     }
 

@@ -126,6 +126,11 @@ pub struct SimulationSpec {
     pub tiers: BTreeMap<String, TierConf>,
     /// The request workload.
     pub workload: WorkloadSpec,
+    /// What an operator changes while the server runs, at simulated times: a policy swap
+    /// (`PUT /admin/policy`) or what a SIGHUP applies ([`crate::changes`]). Each policy of
+    /// `policies` starts the run and the changes follow it; the report has figures per phase.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changes: Vec<crate::changes::ChangeSpec>,
     /// The file the spec was read from ("<cli>" for flags): named by errors found once the
     /// spec is parsed (building the simulation, shaping the workload). Not a field of the file.
     #[serde(skip)]
@@ -1127,6 +1132,7 @@ impl SimulationSpec {
             ));
         }
         validate_tiers(&self.tiers)?;
+        crate::changes::validate(&self.changes, &tier_specs(&self.tiers))?;
         self.validate_workload()
     }
 
@@ -1480,6 +1486,7 @@ impl SimulationSpec {
                 adapters: None,
                 clients: None,
             },
+            changes: Vec::new(),
             source: cli.to_path_buf(),
         };
         // The command line cannot set labels, so the spec's advice for a repeated one does

@@ -628,7 +628,10 @@ fn every_shipped_simulation_spec_loads_and_runs() {
             "{name}: trace {} is missing",
             spec.workload.trace.display()
         );
-        spec.workload.limit = Some(40);
+        // A spec with changes keeps its own limit: its changes' times lie within it.
+        if spec.changes.is_empty() {
+            spec.workload.limit = Some(40);
+        }
         let out = temp_dir(&format!("example-{name}"));
         let (comparison, _) = run(&spec, &out, false).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(
@@ -638,4 +641,70 @@ fn every_shipped_simulation_spec_loads_and_runs() {
         );
         assert!(out.join("summary.json").is_file(), "{name}: no summary");
     }
+}
+
+/// `sim-policy-swap.yaml`: every policy's run has a phase per change and one before them, the
+/// phases together hold every request, each change took effect at its time or the step
+/// boundary after it, the swaps happened, and the text and JSON reports show the phases.
+#[test]
+fn the_policy_swap_example_reports_each_phase() {
+    let spec = SimulationSpec::from_yaml_file(&example("sim-policy-swap.yaml")).unwrap();
+    assert_eq!(spec.changes.len(), 2);
+    let out = temp_dir("policy-swap");
+    let (cmp, _) = run(&spec, &out, false).unwrap();
+    for p in &cmp.policies {
+        let phases = &p.phases;
+        assert_eq!(phases.len(), 3, "{}", p.policy);
+        assert_eq!(
+            phases.iter().map(|ph| ph.requests).sum::<u64>(),
+            p.requests,
+            "{}",
+            p.policy
+        );
+        assert_eq!(
+            phases.iter().map(|ph| ph.finished).sum::<u64>(),
+            p.finished,
+            "{}",
+            p.policy
+        );
+        let names: Vec<&str> = phases.iter().map(|ph| ph.policy.as_str()).collect();
+        assert_eq!(names, [p.policy.as_str(), "slo-aware", "priority"]);
+        for (ph, change) in phases[1..].iter().zip(&spec.changes) {
+            let start = ph.start.as_ref().expect("a change starts the phase");
+            assert_eq!(start.at_s, change.at_s);
+            assert_eq!(ph.from_s, change.at_s);
+            // Within a step of its time (steps of this model last well under a second).
+            assert!(
+                start.applied_s >= start.at_s && start.applied_s < start.at_s + 1.0,
+                "{start:?}"
+            );
+            assert!(start.swapped, "{}: {start:?}", p.policy);
+            assert!(ph.requests > 0 && ph.ttft_ms.p50.is_some(), "{ph:?}");
+            // Every tier of the mix, with its targets.
+            assert_eq!(ph.tiers.len(), 3, "{ph:?}");
+        }
+        assert!(phases[0].start.is_none());
+        assert_eq!(phases[0].to_s, Some(50.0));
+        assert_eq!(phases[2].to_s, None);
+    }
+    let text = cmp.to_text();
+    assert!(text.contains("\nphases: "), "{text}");
+    assert!(
+        text.contains("change 1 at 50 s: policy slo-aware"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "change 2 at 100 s: policy priority {\"aging_interval_ms\":60000}, \
+             server.max_pending_requests 2048"
+        ),
+        "{text}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    let phase = &json["policies"][0]["phases"][1];
+    assert_eq!(phase["start"]["change"], "policy slo-aware");
+    // The tiers by name: batch (no target), premium, standard.
+    assert_eq!(phase["tiers"][1]["tier"], "premium");
+    assert!(phase["tiers"][1]["slo_attainment"].is_number(), "{phase}");
 }

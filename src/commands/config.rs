@@ -215,7 +215,14 @@ pub enum FileKind {
 /// Top-level keys that only a server configuration has.
 const SERVER_ONLY_KEYS: &[&str] = &["server", "logging", "lora", "speculative"];
 /// Top-level keys that only a simulation spec has.
-const SIMULATION_ONLY_KEYS: &[&str] = &["seed", "hardware", "calibration", "policies", "workload"];
+const SIMULATION_ONLY_KEYS: &[&str] = &[
+    "seed",
+    "hardware",
+    "calibration",
+    "policies",
+    "workload",
+    "changes",
+];
 /// The most of a file read again for [`kind_hint`] (configurations are a few KiB).
 const KIND_HINT_MAX_BYTES: u64 = 1 << 20;
 
