@@ -78,8 +78,11 @@ pub struct InputLine<'a> {
 /// The requests of `input`: its non-blank lines (blank ones, and a final line ending, are no
 /// request), refused whole when there are more than [`MAX_LINES`] or none. Lines that are not
 /// valid batch lines are kept: each gets its own error. Two lines with the same `custom_id`
-/// are refused by [`check_unique_ids`], which needs the configured bound on a line.
+/// are refused by [`check_unique_ids`], which needs the configured bound on a line. A UTF-8
+/// byte order mark before the first line (a file saved by a Windows editor) is skipped, as
+/// `serve` skips one before a request body (RFC 8259 section 8.1).
 pub fn split_lines(input: &[u8]) -> Result<Vec<InputLine<'_>>, FileError> {
+    let input = input.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(input);
     let mut lines = Vec::new();
     for (i, raw) in input.split(|&b| b == b'\n').enumerate() {
         let bytes = raw.strip_suffix(b"\r").unwrap_or(raw);
@@ -638,6 +641,21 @@ mod tests {
         let text = format!(r#"{{"custom_id":"a","method":"POST","url":"{url}","body":{{}}}}"#);
         let e = parse_line(line(&text), 1 << 20).unwrap_err();
         assert!(e.message.len() < 300, "{}", e.message);
+    }
+
+    #[test]
+    fn a_byte_order_mark_before_the_first_line_is_skipped() {
+        let input = b"\xEF\xBB\xBF{\"custom_id\":\"a\"}\r\n\xEF\xBB\xBF{\"custom_id\":\"b\"}\n";
+        let lines = split_lines(input).unwrap();
+        assert_eq!(lines[0].bytes, b"{\"custom_id\":\"a\"}");
+        assert_eq!(lines[0].number, 1);
+        assert_eq!(counted_id(lines[0], 4096).as_deref(), Some("a"));
+        // Only the file's first: one inside the file is that line's bytes (not JSON).
+        assert_eq!(
+            parse_line(lines[1], 4096).unwrap_err().code,
+            "invalid_json_line"
+        );
+        assert_eq!(split_lines(b"\xEF\xBB\xBF\n"), Err(FileError::Empty));
     }
 
     #[test]
