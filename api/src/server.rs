@@ -184,7 +184,8 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                 .service(
                     web::resource("/metrics")
                         .route(web::get().to(routes::metrics))
-                        .default_service(method_not_allowed("GET")),
+                        .route(web::head().to(routes::metrics))
+                        .default_service(method_not_allowed("GET, HEAD")),
                 ),
         );
     cfg.app_data(web::Data::new(state))

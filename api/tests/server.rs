@@ -192,11 +192,20 @@ async fn unknown_routes_and_methods_get_openai_bodies() {
     let reply = send(&app, TestRequest::post().uri("/health")).await;
     reply.assert_error(405, BAD, None);
     assert_eq!(reply.headers.get("allow").unwrap(), "GET, HEAD");
-    // Health probes may use HEAD.
+    // Health probes may use HEAD; so may a scraper's check of /metrics (RFC 9110 9.3.2: HEAD
+    // wherever GET is served), answered as its GET is, without the body.
     for path in ["/health", "/ready"] {
         let reply = send(&app, TestRequest::default().method(Method::HEAD).uri(path)).await;
         assert_eq!(reply.status, 200, "{path}: {}", reply.text());
     }
+    let get = send(&app, TestRequest::get().uri("/metrics")).await;
+    let head = send(
+        &app,
+        TestRequest::default().method(Method::HEAD).uri("/metrics"),
+    )
+    .await;
+    assert_eq!(head.status, get.status, "{}", head.text());
+    assert_ne!(head.status, 405);
     // An OpenAI route this server does not serve.
     let request = TestRequest::post()
         .uri("/v1/audio/transcriptions")
