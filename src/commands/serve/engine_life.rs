@@ -61,14 +61,26 @@ fn stop_engine(system: actix_web::rt::SystemRunner, released: Option<BackendRele
     }
     tracing::info!(
         wait_s = BACKEND_RELEASE_WAIT.as_secs(),
-        "waiting for the backend to be released (a step under way ends first); SIGINT or \
-         SIGTERM ends the process now"
+        "waiting for the backend to be released ({}); SIGINT or SIGTERM ends the process now",
+        release_holder(&released)
     );
     if !released.wait(BACKEND_RELEASE_WAIT.saturating_sub(BACKEND_RELEASE_NOTICE)) {
         tracing::warn!(
             wait_s = BACKEND_RELEASE_WAIT.as_secs(),
-            "the backend was not released in time; exiting regardless"
+            "the backend was not released in time ({}); exiting regardless",
+            release_holder(&released)
         );
+    }
+}
+
+/// What keeps the backend from being released, as [`stop_engine`]'s log lines say it: the
+/// backend call the executor's thread is in (a step not yet returned, or the backend's own
+/// drop, stuck on the device), or that it is in none.
+fn release_holder(released: &BackendReleased) -> String {
+    match released.holder() {
+        Some(call) => format!("{call}"),
+        None if released.is_released() => "released just now".into(),
+        None => "the executor's thread is in no backend call".into(),
     }
 }
 
@@ -343,6 +355,37 @@ mod tests {
         );
         assert_eq!(status.code(), Some(143), "{status:?}: {stderr}");
         assert_ended_by_the_handler(&stderr);
+    }
+
+    /// A backend whose release hangs (its drop stuck on the device) is named in the wait's
+    /// log lines as the drop that holds it, with its time, where the log said only that a
+    /// step under way ends first.
+    #[test]
+    fn the_wait_for_the_backend_names_a_stuck_drop() {
+        let system = actix_web::rt::System::new();
+        let released = system.block_on(async {
+            start_test_engine(Box::new(SlowDrop {
+                dropped: Arc::new(AtomicBool::new(false)),
+                takes: Duration::from_secs(60),
+            }))
+            .backend_released()
+        });
+        assert_eq!(
+            release_holder(&released),
+            "the executor's thread is in no backend call"
+        );
+        drop(system);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while released.holder().is_none() {
+            assert!(std::time::Instant::now() < deadline, "no drop within 30 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let said = release_holder(&released);
+        assert!(
+            said.starts_with("the backend's drop call, under way for "),
+            "{said}"
+        );
+        assert!(!released.is_released());
     }
 
     /// Whether `unshare -Urpf true` succeeds here (unprivileged user and PID namespaces); says
