@@ -96,6 +96,7 @@ mod tests {
     use switchyard_policies::{PolicyRegistry, SchedulerConfig};
 
     use crate::commands::stop_signals::StopSignals;
+    use crate::pid_namespaces::pid_namespaces_work;
     /// A backend that takes `takes` to drop (a CUDA backend frees its memory, streams and
     /// context; a step stuck on the GPU holds it longer), then sets `dropped`; it never runs a
     /// step.
@@ -386,24 +387,5 @@ mod tests {
             "{said}"
         );
         assert!(!released.is_released());
-    }
-
-    /// Whether `unshare -Urpf true` succeeds here (unprivileged user and PID namespaces); says
-    /// why on stderr where it does not.
-    fn pid_namespaces_work() -> bool {
-        let why = match std::process::Command::new("unshare")
-            .args(["-Urpf", "true"])
-            .output()
-        {
-            Ok(out) if out.status.success() => return true,
-            Ok(out) => format!(
-                "`unshare -Urpf true` failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-            Err(e) => format!("cannot run `unshare`: {e}"),
-        };
-        eprintln!("SKIPPED, not checked: this machine makes no user and PID namespace: {why}");
-        false
     }
 }
