@@ -31,6 +31,7 @@ mod pid_namespaces;
 /// Whether [`switchyard_as_pid1`] can run here: `unshare -Urpf true` succeeds. Where it does
 /// not, this says so on stderr (`SKIPPED`), and the PID-1 tests return without checking
 /// anything.
+#[allow(unused_imports)] // Only the test files with PID-1 tests use it, as with `dead_code`.
 pub use pid_namespaces::pid_namespaces_work;
 
 /// The host PID of `unshare`'s child, which runs as PID 1 of its PID namespace (checked on

@@ -314,7 +314,7 @@ fn report_until_gone(watch: &Weak<Shared>, mut next_look: impl FnMut() -> Instan
                 reporter.unsure = true;
                 panics_in_a_row += 1;
                 if panics_in_a_row <= PANICS_LOGGED_IN_FULL
-                    || panics_in_a_row % PANICS_LOGGED_EVERY == 0
+                    || panics_in_a_row.is_multiple_of(PANICS_LOGGED_EVERY)
                 {
                     tracing::error!(
                         panic = %super::executor::panic_message(payload.as_ref()),

@@ -46,7 +46,8 @@ pub(in crate::commands) fn run_engine<T>(
 /// The command's work is over by then, and its signal listeners are gone with the system: a
 /// SIGINT or SIGTERM during the wait ends the process at once, by that signal
 /// ([`stop_signals::end_at_next_stop`]), so a step stuck on the GPU does not hold it for the
-/// whole wait, and a wait that lasts past [`BACKEND_RELEASE_NOTICE`] says so. The handler
+/// whole wait, and a wait that lasts past [`BACKEND_RELEASE_NOTICE`] says so, naming the
+/// backend call that holds the release ([`release_holder`]), as does its give-up. The handler
 /// is installed before the system is dropped, so no signal falls between the listeners'
 /// going and its coming.
 fn stop_engine(system: actix_web::rt::SystemRunner, released: Option<BackendReleased>) {
