@@ -4,6 +4,9 @@
 mod cli;
 mod commands;
 #[cfg(test)]
+#[path = "../testsupport/pid_namespaces.rs"]
+mod pid_namespaces;
+#[cfg(test)]
 #[path = "../testsupport/scratch.rs"]
 mod scratch;
 

@@ -125,6 +125,8 @@ pub(crate) struct OneSeries {
     name: &'static str,
     /// What was recorded into the series.
     pub(crate) cell: Arc<std::sync::atomic::AtomicU64>,
+    /// How many of the gauge's next writes panic instead ([`Self::panicking`]).
+    panics: Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl OneSeries {
@@ -132,7 +134,18 @@ impl OneSeries {
         Self {
             name,
             cell: Arc::default(),
+            panics: Arc::default(),
         }
+    }
+
+    /// The same, whose gauge panics on its next `writes` writes (a broken recorder), leaving
+    /// its value as it was.
+    pub(crate) fn panicking(name: &'static str, writes: u32) -> Self {
+        let series = Self::new(name);
+        series
+            .panics
+            .store(writes, std::sync::atomic::Ordering::Release);
+        series
     }
 
     /// The counter's count.
@@ -177,7 +190,10 @@ impl metrics::Recorder for OneSeries {
     }
     fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
         if key.name() == self.name {
-            metrics::Gauge::from_arc(self.cell.clone())
+            metrics::Gauge::from_arc(Arc::new(PanickingGauge {
+                cell: self.cell.clone(),
+                panics: self.panics.clone(),
+            }))
         } else {
             metrics::Gauge::noop()
         }
@@ -188,5 +204,37 @@ impl metrics::Recorder for OneSeries {
         _: &metrics::Metadata<'_>,
     ) -> metrics::Histogram {
         metrics::Histogram::noop()
+    }
+}
+
+/// [`OneSeries`]'s gauge: its value's bits in `cell`, a write panicking while `panics` counts
+/// down.
+struct PanickingGauge {
+    cell: Arc<std::sync::atomic::AtomicU64>,
+    panics: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl PanickingGauge {
+    fn write(&self, value: impl FnOnce(f64) -> f64) {
+        use std::sync::atomic::Ordering;
+        let panicking = self
+            .panics
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        assert!(!panicking, "a broken recorder");
+        let old = f64::from_bits(self.cell.load(Ordering::Acquire));
+        self.cell.store(value(old).to_bits(), Ordering::Release);
+    }
+}
+
+impl metrics::GaugeFn for PanickingGauge {
+    fn increment(&self, value: f64) {
+        self.write(|old| old + value);
+    }
+    fn decrement(&self, value: f64) {
+        self.write(|old| old - value);
+    }
+    fn set(&self, value: f64) {
+        self.write(|_| value);
     }
 }

@@ -2,7 +2,7 @@
 //! for the tests of how it stops there.
 
 use super::with_default_sigint;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 
 /// The `switchyard` binary as PID 1 of a new user and PID namespace, as a command to add
 /// arguments to: `unshare -Urpf --kill-child switchyard`, which needs no privilege where
@@ -26,26 +26,13 @@ pub fn switchyard_as_pid1() -> Command {
     cmd
 }
 
+#[path = "../../testsupport/pid_namespaces.rs"]
+mod pid_namespaces;
 /// Whether [`switchyard_as_pid1`] can run here: `unshare -Urpf true` succeeds. Where it does
-/// not (unprivileged user namespaces off by a sysctl or a container's seccomp profile, or no
-/// `unshare`), this says so on stderr, and the PID-1 tests return without checking anything.
-pub fn pid_namespaces_work() -> bool {
-    let out = Command::new("unshare")
-        .args(["-Urpf", "true"])
-        .stdin(Stdio::null())
-        .output();
-    let why = match out {
-        Ok(out) if out.status.success() => return true,
-        Ok(out) => format!(
-            "`unshare -Urpf true` failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ),
-        Err(e) => format!("cannot run `unshare`: {e}"),
-    };
-    eprintln!("SKIPPED, not checked: this machine makes no user and PID namespace: {why}");
-    false
-}
+/// not, this says so on stderr (`SKIPPED`), and the PID-1 tests return without checking
+/// anything.
+#[allow(unused_imports)] // Only the test files with PID-1 tests use it, as with `dead_code`.
+pub use pid_namespaces::pid_namespaces_work;
 
 /// The host PID of `unshare`'s child, which runs as PID 1 of its PID namespace (checked on
 /// its `NSpid` line): the process to signal. Ask once the child has shown that it runs (a log

@@ -436,10 +436,10 @@ impl Engine {
         let slot = parking_slot(backend);
         let backend_alive = Arc::new(AtomicBool::new(true));
         let alive = backend_alive.clone();
-        let backend_released = BackendReleased::default();
-        let released = backend_released.clone();
         let step_watch = StepWatch::new(config.step_timeout);
         step_watch.start_reporter();
+        let backend_released = BackendReleased::watching(&step_watch);
+        let released = backend_released.clone();
         let watch = step_watch.clone();
         let executor = SyncArbiter::start(1, move || {
             ExecutorActor::new(slot.lock().unwrap_or_else(|p| p.into_inner()).take())

@@ -8,7 +8,7 @@ use actix::{Actor, Handler, Message, SyncContext};
 use switchyard_gpu::backend::{Backend, Batch, SeqOutput};
 use switchyard_gpu::GpuError;
 
-use super::step_watch::{BackendCall, StepWatch};
+use super::step_watch::{BackendCall, RunningCall, StepWatch, WatchView};
 use crate::core::KvCopies;
 
 /// A batch's outputs and the time the backend took, so the scheduler can tell its own
@@ -88,12 +88,36 @@ pub struct ReleaseSequences(pub Vec<u64>);
 /// the process's exit handlers tear the CUDA libraries down ended `run-batch` on an H100 with
 /// a SIGSEGV after its last line was written.
 #[derive(Clone, Default)]
-pub struct BackendReleased(Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>);
+pub struct BackendReleased {
+    /// Whether the backend is dropped, and the waiters' wake-up.
+    state: Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>,
+    /// The executor's stall watch, seen without keeping it alive: what holds the backend
+    /// ([`Self::holder`]).
+    watch: WatchView,
+}
 
 impl BackendReleased {
+    /// Says which backend call of the executor's holds the backend ([`Self::holder`]), as
+    /// `watch` marks them.
+    pub(super) fn watching(watch: &StepWatch) -> Self {
+        Self {
+            state: Arc::default(),
+            watch: watch.view(),
+        }
+    }
+
+    /// The backend call under way on the executor's thread while the backend is not yet
+    /// released: a step that has not returned, or the backend's own drop
+    /// ([`BackendCall::Drop`]). `None` once it is released, when no call runs, and when the
+    /// engine has no watch. What a command that waits for the release names when it waits
+    /// long.
+    pub fn holder(&self) -> Option<RunningCall> {
+        self.watch.running()
+    }
+
     /// Waits until the backend is dropped, at most `timeout`; whether it was.
     pub fn wait(&self, timeout: Duration) -> bool {
-        let (released, dropped) = &*self.0;
+        let (released, dropped) = &*self.state;
         let mut released = released.lock();
         if !*released {
             // A spurious wake-up ends the wait early; the flag, not the wake-up, answers.
@@ -104,11 +128,11 @@ impl BackendReleased {
 
     /// Whether the backend is dropped.
     pub fn is_released(&self) -> bool {
-        *self.0 .0.lock()
+        *self.state.0.lock()
     }
 
     fn notify(&self) {
-        let (released, dropped) = &*self.0;
+        let (released, dropped) = &*self.state;
         *released.lock() = true;
         dropped.notify_all();
     }
@@ -116,8 +140,9 @@ impl BackendReleased {
 
 impl std::fmt::Debug for BackendReleased {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("BackendReleased")
-            .field(&self.is_released())
+        f.debug_struct("BackendReleased")
+            .field("released", &self.is_released())
+            .field("holder", &self.holder())
             .finish()
     }
 }
@@ -149,9 +174,14 @@ pub struct ExecutorActor {
 }
 
 impl Drop for ExecutorActor {
+    /// Drops the backend, marked in the stall watch as [`BackendCall::Drop`] (a drop stuck on
+    /// the device is named by whoever waits for it), then says it is released.
     fn drop(&mut self) {
         let _notify = NotifyOnDrop(self.released.take());
-        drop(self.backend.take());
+        if let Some(backend) = self.backend.take() {
+            let _timing = self.watch.as_ref().map(|w| w.begin(BackendCall::Drop));
+            drop(backend);
+        }
     }
 }
 
@@ -233,6 +263,15 @@ fn retired() -> GpuError {
     )
 }
 
+/// A caught panic's message (a `&str` or `String` payload, as `panic!` makes them).
+pub(super) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
 /// Runs a backend call, turning a panic inside it into an error for the step. A backend must
 /// return errors, so a panic is a bug; containing it fails that step's requests (they get an
 /// error) instead of ending the executor thread, which would leave every later step waiting.
@@ -248,11 +287,7 @@ fn contained<T>(
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(backend))) {
         Ok(result) => result,
         Err(payload) => {
-            let message = payload
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic without a message".into());
+            let message = panic_message(payload.as_ref());
             let retire = !slot.as_deref().is_some_and(|b| b.recovers_from_panics());
             tracing::error!(call, panic = %message, retire, "the backend panicked; failing the step");
             if retire {
@@ -628,5 +663,69 @@ mod tests {
             !alive.load(Ordering::Acquire),
             "the engine reports the retirement"
         );
+    }
+
+    /// A backend whose drop says it began on `entered`, then waits for a message on `gate`
+    /// or for its sender to be dropped: a release stuck on the device, for as long as a test
+    /// wants. It runs no step.
+    struct GatedDrop {
+        entered: std::sync::mpsc::Sender<()>,
+        gate: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl Drop for GatedDrop {
+        fn drop(&mut self) {
+            let _ = self.entered.send(());
+            let _ = self.gate.recv();
+        }
+    }
+
+    impl Backend for GatedDrop {
+        fn name(&self) -> &str {
+            "gated-drop"
+        }
+        fn num_kv_blocks(&self) -> usize {
+            8
+        }
+        fn block_size(&self) -> usize {
+            4
+        }
+        fn max_batch_tokens(&self) -> usize {
+            64
+        }
+        fn execute(&mut self, _: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
+            Err(GpuError::Internal("no step runs here".into()))
+        }
+        fn release(&mut self, _: u64) {}
+    }
+
+    /// The backend's drop at the engine's end is a watched call: while it runs, what waits
+    /// for the release sees that the drop holds it (and the watch would flag it past the
+    /// limit); once it is over the backend is released and no call runs.
+    #[test]
+    fn the_backends_drop_is_watched_and_named_as_the_releases_holder() {
+        let (entered_tx, entered) = std::sync::mpsc::channel();
+        let (gate, gate_rx) = std::sync::mpsc::channel::<()>();
+        let watch = StepWatch::new(Some(Duration::from_secs(60)));
+        let released = BackendReleased::watching(&watch);
+        let executor = ExecutorActor::new(Some(Box::new(GatedDrop {
+            entered: entered_tx,
+            gate: gate_rx,
+        })))
+        .releasing(released.clone())
+        .watched_by(watch.clone());
+        drop(watch);
+        assert_eq!(released.holder(), None, "no call runs yet");
+        let dropping = std::thread::spawn(move || drop(executor));
+        entered
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the backend's drop began");
+        let holder = released.holder().expect("the drop holds the backend");
+        assert_eq!(holder.call, BackendCall::Drop);
+        assert!(!released.is_released());
+        drop(gate);
+        dropping.join().expect("the drop ended");
+        assert!(released.is_released());
+        assert_eq!(released.holder(), None, "released: nothing holds it");
     }
 }

@@ -17,6 +17,7 @@
 //! reporter thread that logs the stall and keeps [`names::ENGINE_STALLED`]) never wait on the
 //! executor, which is the thread that is stuck.
 
+use std::io::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -39,15 +40,19 @@ pub enum BackendCall {
     CopyKv,
     /// `Backend::release`: a finished sequence's state.
     Release,
+    /// The backend's drop at the engine's end (its weights, KV cache and, on CUDA, streams
+    /// and context freed), which a command waits for before the process ends.
+    Drop,
 }
 
 impl BackendCall {
-    const ALL: [Self; 5] = [
+    const ALL: [Self; 6] = [
         Self::Execute,
         Self::Submit,
         Self::Collect,
         Self::CopyKv,
         Self::Release,
+        Self::Drop,
     ];
 
     /// The call's name, as the log and the error messages write it.
@@ -58,6 +63,7 @@ impl BackendCall {
             Self::Collect => "collect",
             Self::CopyKv => "copy_kv",
             Self::Release => "release",
+            Self::Drop => "drop",
         }
     }
 
@@ -93,6 +99,17 @@ pub struct RunningCall {
     /// When it began, in milliseconds since the watch was made, plus one (tells two calls of
     /// the same kind apart).
     began: u64,
+}
+
+impl std::fmt::Display for RunningCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the backend's {} call, under way for {} s",
+            self.call,
+            self.running.as_secs()
+        )
+    }
 }
 
 /// A backend call that has run past the limit.
@@ -217,24 +234,26 @@ impl StepWatch {
         self.stall_at(Instant::now())
     }
 
+    /// A view of the watch that does not keep it (nor its reporter thread) alive: for a
+    /// waiter that outlives the engine ([`super::BackendReleased`]).
+    pub(crate) fn view(&self) -> WatchView {
+        WatchView(Arc::downgrade(&self.0))
+    }
+
     /// Starts the thread that logs a stall once when it begins and once when it ends, and
     /// keeps [`names::ENGINE_STALLED`], looking every second, so that neither depends on
-    /// someone asking `/health`. It ends once every clone of the watch is gone. A thread that
-    /// cannot be started is logged (the probes still see a stall; only the log line and the
-    /// gauge are missing).
+    /// someone asking `/health` (see [`report_until_gone`]). It ends once every clone of the
+    /// watch is gone. A thread that cannot be started is logged (the probes still see a
+    /// stall; only the log line and the gauge are missing).
     pub fn start_reporter(&self) {
         let watch: Weak<Shared> = Arc::downgrade(&self.0);
         let started = std::thread::Builder::new()
             .name("step-watch".into())
             .spawn(move || {
-                let mut reporter = StallReporter::default();
-                loop {
+                report_until_gone(&watch, || {
                     std::thread::sleep(REPORT_INTERVAL);
-                    let Some(shared) = watch.upgrade() else {
-                        return;
-                    };
-                    reporter.check(&StepWatch(shared), Instant::now());
-                }
+                    Instant::now()
+                });
             });
         if let Err(e) = started {
             tracing::warn!(
@@ -246,11 +265,100 @@ impl StepWatch {
     }
 }
 
+/// A [`StepWatch`] seen without keeping it: what runs while the watch lives.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct WatchView(Weak<Shared>);
+
+impl WatchView {
+    /// The backend call under way now, if the watch still lives and a call runs.
+    pub(crate) fn running(&self) -> Option<RunningCall> {
+        StepWatch(self.0.upgrade()?).running()
+    }
+}
+
+/// How many looks in a row that panicked are logged one by one; past that, one in
+/// [`PANICS_LOGGED_EVERY`].
+const PANICS_LOGGED_IN_FULL: u64 = 3;
+
+/// One panicking look in this many is logged, once [`PANICS_LOGGED_IN_FULL`] were.
+const PANICS_LOGGED_EVERY: u64 = 60;
+
+/// The reporter thread's life: a look at `watch` at each instant `next_look` gives (a second
+/// apart in [`StepWatch::start_reporter`]; a test gives its own), until every clone of the
+/// watch is gone.
+///
+/// A look that panics (a bug in a tracing subscriber or a metrics recorder; nothing of the
+/// watch's own can) is contained: logged at ERROR, and the next look writes the gauge anew
+/// whatever it finds, so the thread goes on as if restarted and the gauge follows the engine
+/// again. The probes never depend on this thread (`Engine::stall` reads the watch itself).
+/// The thread's end leaves a true state ([`ReporterEnd`]): the watch gone (the engine ended),
+/// no call runs, so a gauge it raised goes back to 0; the thread ended by a panic outside a
+/// look (logging a look's panic), the gauge is set to NaN, unknown, and the end is written on
+/// standard error, since nothing updates the gauge from then on.
+fn report_until_gone(watch: &Weak<Shared>, mut next_look: impl FnMut() -> Instant) {
+    let mut end = ReporterEnd(StallReporter::default());
+    let mut panics_in_a_row = 0u64;
+    loop {
+        let now = next_look();
+        let Some(shared) = watch.upgrade() else {
+            return;
+        };
+        let watch = StepWatch(shared);
+        let reporter = &mut end.0;
+        let looked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            reporter.check(&watch, now);
+        }));
+        match looked {
+            Ok(()) => panics_in_a_row = 0,
+            Err(payload) => {
+                reporter.unsure = true;
+                panics_in_a_row += 1;
+                if panics_in_a_row <= PANICS_LOGGED_IN_FULL
+                    || panics_in_a_row.is_multiple_of(PANICS_LOGGED_EVERY)
+                {
+                    tracing::error!(
+                        panic = %super::executor::panic_message(payload.as_ref()),
+                        in_a_row = panics_in_a_row,
+                        "a look of the step watch panicked; it looks again in a second and \
+                         writes switchyard:engine_stalled anew (the probes do not depend on it)"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The reporter thread's state, which leaves a true gauge when the thread ends, however it
+/// ends (see [`report_until_gone`]).
+struct ReporterEnd(StallReporter);
+
+impl Drop for ReporterEnd {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // A panic in a drop that runs for one would abort the process: nothing escapes.
+            let _ = std::panic::catch_unwind(|| {
+                metrics::gauge!(names::ENGINE_STALLED).set(f64::NAN);
+            });
+            let message = "switchyard: the step watch's thread ended by a panic: a stalled \
+                           backend call is still answered 503 engine_stalled on /health and \
+                           /ready, but no longer logged, and switchyard:engine_stalled reads \
+                           NaN (unknown) until the process restarts";
+            let _ = std::panic::catch_unwind(|| tracing::error!("{message}"));
+            let _ = writeln!(std::io::stderr(), "{message}");
+        } else {
+            self.0.watch_ended();
+        }
+    }
+}
+
 /// Logs a stall's start and end and keeps the gauge; [`StepWatch::start_reporter`]'s state.
 #[derive(Debug, Default)]
 struct StallReporter {
     /// The stall reported and not yet over.
     reported: Option<StepStall>,
+    /// Whether the gauge may not say what `reported` does (a look panicked before writing
+    /// it): the next look writes it, whatever it finds.
+    unsure: bool,
 }
 
 impl StallReporter {
@@ -258,13 +366,27 @@ impl StallReporter {
     /// look, and sets the gauge.
     fn check(&mut self, watch: &StepWatch, now: Instant) {
         let stall = watch.stall_at(now);
-        let same = |a: &StepStall, b: &StepStall| a.running.began == b.running.began;
-        match (&self.reported, &stall) {
-            (Some(old), Some(new)) if same(old, new) => return,
-            (None, None) => return,
-            _ => {}
+        let same = match (&self.reported, &stall) {
+            (Some(old), Some(new)) => old.running.began == new.running.began,
+            (None, None) => true,
+            _ => false,
+        };
+        if same && !self.unsure {
+            return;
         }
-        if let Some(old) = self.reported.take() {
+        if !same {
+            self.log_change(watch, now, stall.as_ref());
+        }
+        self.reported = stall;
+        // Until the gauge is written: a panic in the recorder leaves the next look to.
+        self.unsure = true;
+        metrics::gauge!(names::ENGINE_STALLED).set(if stall.is_some() { 1.0 } else { 0.0 });
+        self.unsure = false;
+    }
+
+    /// Logs the end of the stall reported (if any) and the start of `stall` (if any).
+    fn log_change(&self, watch: &StepWatch, now: Instant, stall: Option<&StepStall>) {
+        if let Some(old) = &self.reported {
             let still_running = watch
                 .running_at(now)
                 .is_some_and(|r| r.began == old.running.began);
@@ -297,8 +419,21 @@ impl StallReporter {
                  requests in flight wait for it"
             );
         }
-        self.reported = stall;
-        metrics::gauge!(names::ENGINE_STALLED).set(if stall.is_some() { 1.0 } else { 0.0 });
+    }
+
+    /// The watch is gone (every clone dropped: the engine ended), so no call runs: a stall
+    /// reported is over, and a gauge this reporter raised (or may have) goes back to 0.
+    fn watch_ended(&mut self) {
+        if let Some(old) = self.reported.take() {
+            tracing::warn!(
+                call = old.running.call.as_str(),
+                "the stalled backend call returned and the engine ended"
+            );
+        } else if !self.unsure {
+            return;
+        }
+        metrics::gauge!(names::ENGINE_STALLED).set(0.0);
+        self.unsure = false;
     }
 }
 
@@ -404,6 +539,149 @@ mod tests {
             reporter.check(&watch, past);
             assert_eq!(reporter.reported, None);
             assert_eq!(recorder.gauge(), 0.0, "the limit was raised past the call");
+        });
+    }
+
+    /// A running call reads as its kind and its time, as a command waiting for the backend's
+    /// release names it.
+    #[test]
+    fn a_running_call_names_its_kind_and_time() {
+        let watch = StepWatch::new(None);
+        let _drop = watch.begin(BackendCall::Drop);
+        let running = watch
+            .running_at(Instant::now() + MINUTE + Duration::from_secs(1))
+            .expect("a call runs");
+        assert_eq!(
+            running.to_string(),
+            "the backend's drop call, under way for 61 s"
+        );
+    }
+
+    /// A view of the watch sees the call under way while the watch lives, and keeps nothing
+    /// alive.
+    #[test]
+    fn a_view_sees_the_running_call_while_the_watch_lives() {
+        let watch = StepWatch::new(None);
+        let view = watch.view();
+        assert_eq!(view.running(), None, "idle");
+        let call = watch.begin(BackendCall::Drop);
+        assert_eq!(view.running().map(|r| r.call), Some(BackendCall::Drop));
+        drop(call);
+        drop(watch);
+        assert_eq!(view.running(), None, "the watch is gone");
+        assert_eq!(WatchView::default().running(), None, "no watch");
+    }
+
+    /// The watch of a stalled call under way, past its one-minute limit at the instant
+    /// returned, and the weak reference the reporter thread holds. The call is marked for
+    /// good (its guard forgotten); [`end_call`] ends it.
+    fn stalled_watch() -> (StepWatch, Weak<Shared>, Instant) {
+        let watch = StepWatch::new(Some(MINUTE));
+        std::mem::forget(watch.begin(BackendCall::Collect));
+        let weak = Arc::downgrade(&watch.0);
+        (watch, weak, Instant::now() + 2 * MINUTE)
+    }
+
+    /// Ends the call under way, as its guard's drop does.
+    fn end_call(watch: &StepWatch) {
+        watch.0.current.store(0, Ordering::Release);
+    }
+
+    /// Regression: the reporter thread ended (the engine gone) while a stall was flagged, and
+    /// `switchyard:engine_stalled` stayed at 1 for good. Here the stalled call returns and the
+    /// engine ends within one look: the end lowers the gauge.
+    #[test]
+    fn the_watchs_end_lowers_the_gauge_of_a_stall_it_flagged() {
+        let recorder = crate::testing::OneSeries::new(names::ENGINE_STALLED);
+        metrics::with_local_recorder(&recorder, || {
+            let (watch, weak, past) = stalled_watch();
+            let mut watch = Some(watch);
+            let mut seen = Vec::new();
+            let mut looks = 0;
+            report_until_gone(&weak, || {
+                seen.push(recorder.gauge());
+                looks += 1;
+                if looks == 3 {
+                    let watch = watch.take().expect("the watch");
+                    end_call(&watch);
+                }
+                past + Duration::from_secs(looks)
+            });
+            assert_eq!(
+                seen,
+                [0.0, 1.0, 1.0],
+                "stalled at the first look, then kept"
+            );
+            assert_eq!(recorder.gauge(), 0.0, "lowered at the watch's end");
+        });
+    }
+
+    /// A watch that ends with no stall flagged leaves the gauge alone (another engine's, in
+    /// a process that has one).
+    #[test]
+    fn the_watchs_end_without_a_stall_writes_nothing() {
+        let recorder = crate::testing::OneSeries::new(names::ENGINE_STALLED);
+        metrics::with_local_recorder(&recorder, || {
+            metrics::gauge!(names::ENGINE_STALLED).set(1.0);
+            let watch = StepWatch::new(Some(MINUTE));
+            let weak = Arc::downgrade(&watch.0);
+            let mut watch = Some(watch);
+            report_until_gone(&weak, || {
+                drop(watch.take());
+                Instant::now()
+            });
+            assert_eq!(recorder.gauge(), 1.0, "not this watch's to lower");
+        });
+    }
+
+    /// A look that panics (here the recorder, on the stall's gauge write) does not end the
+    /// reporter: the next look writes the gauge it could not, though the stall is the same
+    /// one, and the end lowers it.
+    #[test]
+    fn a_panicking_look_is_contained_and_the_next_writes_the_gauge() {
+        let recorder = crate::testing::OneSeries::panicking(names::ENGINE_STALLED, 1);
+        metrics::with_local_recorder(&recorder, || {
+            let (watch, weak, past) = stalled_watch();
+            let mut watch = Some(watch);
+            let mut seen = Vec::new();
+            let mut looks = 0;
+            report_until_gone(&weak, || {
+                seen.push(recorder.gauge());
+                looks += 1;
+                if looks == 4 {
+                    let watch = watch.take().expect("the watch");
+                    end_call(&watch);
+                }
+                past + Duration::from_secs(looks)
+            });
+            assert_eq!(
+                seen,
+                [0.0, 0.0, 1.0, 1.0],
+                "the first look's write panicked, the second's was made"
+            );
+            assert_eq!(recorder.gauge(), 0.0, "lowered at the watch's end");
+        });
+    }
+
+    /// A panic that ends the reporter thread itself (outside a look: here the clock it is
+    /// given) leaves the gauge unknown, NaN, rather than the 1 or 0 it held, which nothing
+    /// would update any more; the probes still see the stall, from the watch itself.
+    #[test]
+    fn a_reporter_ended_by_a_panic_leaves_the_gauge_unknown() {
+        let recorder = crate::testing::OneSeries::new(names::ENGINE_STALLED);
+        metrics::with_local_recorder(&recorder, || {
+            let (watch, weak, past) = stalled_watch();
+            let mut looks = 0;
+            let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                report_until_gone(&weak, || {
+                    looks += 1;
+                    assert!(looks < 3, "the reporter's clock broke");
+                    past
+                });
+            }));
+            assert!(ended.is_err(), "the panic came through");
+            assert!(recorder.gauge().is_nan(), "{}", recorder.gauge());
+            assert!(watch.stall_at(past).is_some(), "the probes' answer");
         });
     }
 }

@@ -46,7 +46,8 @@ pub(in crate::commands) fn run_engine<T>(
 /// The command's work is over by then, and its signal listeners are gone with the system: a
 /// SIGINT or SIGTERM during the wait ends the process at once, by that signal
 /// ([`stop_signals::end_at_next_stop`]), so a step stuck on the GPU does not hold it for the
-/// whole wait, and a wait that lasts past [`BACKEND_RELEASE_NOTICE`] says so. The handler
+/// whole wait, and a wait that lasts past [`BACKEND_RELEASE_NOTICE`] says so, naming the
+/// backend call that holds the release ([`release_holder`]), as does its give-up. The handler
 /// is installed before the system is dropped, so no signal falls between the listeners'
 /// going and its coming.
 fn stop_engine(system: actix_web::rt::SystemRunner, released: Option<BackendReleased>) {
@@ -61,14 +62,26 @@ fn stop_engine(system: actix_web::rt::SystemRunner, released: Option<BackendRele
     }
     tracing::info!(
         wait_s = BACKEND_RELEASE_WAIT.as_secs(),
-        "waiting for the backend to be released (a step under way ends first); SIGINT or \
-         SIGTERM ends the process now"
+        "waiting for the backend to be released ({}); SIGINT or SIGTERM ends the process now",
+        release_holder(&released)
     );
     if !released.wait(BACKEND_RELEASE_WAIT.saturating_sub(BACKEND_RELEASE_NOTICE)) {
         tracing::warn!(
             wait_s = BACKEND_RELEASE_WAIT.as_secs(),
-            "the backend was not released in time; exiting regardless"
+            "the backend was not released in time ({}); exiting regardless",
+            release_holder(&released)
         );
+    }
+}
+
+/// What keeps the backend from being released, as [`stop_engine`]'s log lines say it: the
+/// backend call the executor's thread is in (a step not yet returned, or the backend's own
+/// drop, stuck on the device), or that it is in none.
+fn release_holder(released: &BackendReleased) -> String {
+    match released.holder() {
+        Some(call) => format!("{call}"),
+        None if released.is_released() => "released just now".into(),
+        None => "the executor's thread is in no backend call".into(),
     }
 }
 
@@ -84,6 +97,7 @@ mod tests {
     use switchyard_policies::{PolicyRegistry, SchedulerConfig};
 
     use crate::commands::stop_signals::StopSignals;
+    use crate::pid_namespaces::pid_namespaces_work;
     /// A backend that takes `takes` to drop (a CUDA backend frees its memory, streams and
     /// context; a step stuck on the GPU holds it longer), then sets `dropped`; it never runs a
     /// step.
@@ -345,22 +359,34 @@ mod tests {
         assert_ended_by_the_handler(&stderr);
     }
 
-    /// Whether `unshare -Urpf true` succeeds here (unprivileged user and PID namespaces); says
-    /// why on stderr where it does not.
-    fn pid_namespaces_work() -> bool {
-        let why = match std::process::Command::new("unshare")
-            .args(["-Urpf", "true"])
-            .output()
-        {
-            Ok(out) if out.status.success() => return true,
-            Ok(out) => format!(
-                "`unshare -Urpf true` failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-            Err(e) => format!("cannot run `unshare`: {e}"),
-        };
-        eprintln!("SKIPPED, not checked: this machine makes no user and PID namespace: {why}");
-        false
+    /// A backend whose release hangs (its drop stuck on the device) is named in the wait's
+    /// log lines as the drop that holds it, with its time, where the log said only that a
+    /// step under way ends first.
+    #[test]
+    fn the_wait_for_the_backend_names_a_stuck_drop() {
+        let system = actix_web::rt::System::new();
+        let released = system.block_on(async {
+            start_test_engine(Box::new(SlowDrop {
+                dropped: Arc::new(AtomicBool::new(false)),
+                takes: Duration::from_secs(60),
+            }))
+            .backend_released()
+        });
+        assert_eq!(
+            release_holder(&released),
+            "the executor's thread is in no backend call"
+        );
+        drop(system);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while released.holder().is_none() {
+            assert!(std::time::Instant::now() < deadline, "no drop within 30 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let said = release_holder(&released);
+        assert!(
+            said.starts_with("the backend's drop call, under way for "),
+            "{said}"
+        );
+        assert!(!released.is_released());
     }
 }
