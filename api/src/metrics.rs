@@ -349,7 +349,7 @@ pub fn describe_metrics() {
     describe_gauge!(
         ENGINE_STALLED,
         Unit::Count,
-        "1 while a backend call has run past scheduler.step_timeout_s without returning (the engine is stalled: /health and /ready answer 503 engine_stalled), else 0."
+        "1 while a backend call has run past scheduler.step_timeout_s without returning (the engine is stalled: /health and /ready answer 503 engine_stalled), else 0; NaN if the thread that reports it ended by a fault (the probes still answer)."
     );
     describe_counter!(
         ENGINE_POOL_ERRORS,

@@ -79,7 +79,8 @@ pub const REQUEST_FAILED: &str = "switchyard:request_failed_total";
 pub const ENGINE_FAILED_STEPS: &str = "switchyard:engine_failed_steps_total";
 /// Gauge: 1 while a backend call (a step, or a KV copy or a release) has run past
 /// `scheduler.step_timeout_s` and not returned (the engine is stalled: `/health` and `/ready`
-/// answer 503 `engine_stalled`), else 0.
+/// answer 503 `engine_stalled`), else 0; NaN if the thread that reports it ended by a fault (the
+/// probes read the watch itself and still answer).
 pub const ENGINE_STALLED: &str = "switchyard:engine_stalled";
 /// Counter: block-accounting calls the scheduling core absorbed because they failed
 /// (`SchedulerStats::pool_errors`: a core or caller bug, never user input; each growth is also
