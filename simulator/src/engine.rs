@@ -1863,7 +1863,7 @@ workload: {trace: unused.csv, format: azure}
         sim
     }
 
-    fn req(arrival_s: f64, prompt: usize, output: u32, tier: &str) -> TraceRequest {
+    pub(super) fn req(arrival_s: f64, prompt: usize, output: u32, tier: &str) -> TraceRequest {
         TraceRequest {
             arrival_s,
             prompt: Arc::from(vec![1u32; prompt]),

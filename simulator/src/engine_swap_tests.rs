@@ -27,18 +27,9 @@ fn sim(changes: &str, async_scheduling: bool) -> Simulation {
     sim
 }
 
+/// An 8-token prompt of the given tier (the engine tests' request builder).
 fn req(arrival_s: f64, output: u32, tier: &str) -> TraceRequest {
-    TraceRequest {
-        arrival_s,
-        prompt: Arc::from(vec![1u32; 8]),
-        output_len: output,
-        tenant: String::new(),
-        tier: tier.into(),
-        priority: None,
-        adapter: None,
-        client: String::new(),
-        think_s: None,
-    }
+    super::tests::req(arrival_s, 8, output, tier)
 }
 
 /// Eight requests at 0 s, `lo` and `hi` in turn (ids 0, 2, 4, 6 `lo`), two tokens each: two

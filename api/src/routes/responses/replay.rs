@@ -317,16 +317,21 @@ mod tests {
         assert!(join(Vec::new()).is_empty());
     }
 
-    /// The `error` events carry OpenAI's fields (`ResponseErrorEvent`) and their number.
-    #[test]
-    fn error_events_are_openais() {
-        let frame = cancelled_event(7);
-        let text = std::str::from_utf8(&frame).unwrap();
+    /// The JSON of an `error` event's frame (`event: error`, one `data:` line).
+    fn error_data(frame: &[u8]) -> serde_json::Value {
+        let text = std::str::from_utf8(frame).unwrap();
         let data = text
             .strip_prefix("event: error\ndata: ")
             .and_then(|t| t.strip_suffix("\n\n"))
             .unwrap();
-        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        serde_json::from_str(data).unwrap()
+    }
+
+    /// The `error` events carry OpenAI's fields (`ResponseErrorEvent`) and their number.
+    #[test]
+    fn error_events_are_openais() {
+        let frame = cancelled_event(7);
+        let v = error_data(&frame);
         assert_eq!(v["type"], "error");
         assert_eq!(v["sequence_number"], 7);
         assert_eq!(v["code"], "response_cancelled");
@@ -343,12 +348,7 @@ mod tests {
             (Gone::Replaced, "response_replaced"),
         ] {
             let frame = gone_event(4, gone);
-            let text = std::str::from_utf8(&frame).unwrap();
-            let data = text
-                .strip_prefix("event: error\ndata: ")
-                .and_then(|t| t.strip_suffix("\n\n"))
-                .unwrap();
-            let v: serde_json::Value = serde_json::from_str(data).unwrap();
+            let v = error_data(&frame);
             assert_eq!(
                 (v["code"].as_str(), v["sequence_number"].as_u64()),
                 (Some(code), Some(4))
