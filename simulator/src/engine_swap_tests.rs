@@ -7,7 +7,6 @@ use super::*;
 use crate::cost::Calibration;
 use proptest::prelude::*;
 use std::path::Path;
-use std::sync::Arc;
 
 /// One sequence at a time, 1 ms steps; tiers `hi` (priority 0) and `lo` (priority 2);
 /// `changes` is the spec's `changes:` (YAML flow), `async_scheduling` its flag.
