@@ -85,6 +85,23 @@ impl Backend for CountingBackend {
     fn release(&mut self, _: u64) {}
 }
 
+/// The three shape methods of a test [`Backend`] that wraps another in its `inner` field:
+/// the wrapped backend's KV blocks, block size and step budget.
+macro_rules! inner_backend_shape {
+    () => {
+        fn num_kv_blocks(&self) -> usize {
+            self.inner.num_kv_blocks()
+        }
+        fn block_size(&self) -> usize {
+            self.inner.block_size()
+        }
+        fn max_batch_tokens(&self) -> usize {
+            self.inner.max_batch_tokens()
+        }
+    };
+}
+pub(crate) use inner_backend_shape;
+
 /// A [`CountingBackend`] whose every step, once begun (said on `entered`), waits for a
 /// message on `gate` or for its sender to be dropped, which releases every step from then on:
 /// a step stuck on the device, for as long as a test wants.
@@ -98,15 +115,7 @@ impl Backend for GatedBackend {
     fn name(&self) -> &str {
         "gated"
     }
-    fn num_kv_blocks(&self) -> usize {
-        self.inner.num_kv_blocks()
-    }
-    fn block_size(&self) -> usize {
-        self.inner.block_size()
-    }
-    fn max_batch_tokens(&self) -> usize {
-        self.inner.max_batch_tokens()
-    }
+    inner_backend_shape!();
     fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
         // The test may have stopped listening; the step goes on.
         let _ = self.entered.send(());

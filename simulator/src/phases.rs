@@ -139,6 +139,28 @@ pub fn phase_summaries(
         .collect()
 }
 
+/// One row of the phases table: its labels (policy, phase, from, applied, in force, queue),
+/// its requests, TTFT, TPOT and E2E percentiles, and its SLO attainment.
+fn phase_row(
+    s: &mut String,
+    labels: [&str; 6],
+    requests: u64,
+    [ttft, tpot, e2e]: [&LatencyStats; 3],
+    slo: &str,
+) {
+    let [policy, phase, from, applied, in_force, queue] = labels;
+    let _ = writeln!(
+        s,
+        "{policy:<18} {phase:>5} {from:>9} {applied:>9} {in_force:<18} {queue:>9} {requests:>6} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9} {slo:>6}",
+        fmt_ms(ttft.p50, 1),
+        fmt_ms(ttft.p99, 1),
+        fmt_ms(tpot.p50, 2),
+        fmt_ms(tpot.p99, 2),
+        fmt_ms(e2e.p50, 1),
+        fmt_ms(e2e.p99, 1),
+    );
+}
+
 /// The phases' table of the text report (empty when no policy has phases): one row per
 /// policy and phase, then its whole run's row (`all`) and what each change did; with tiers,
 /// one row per policy, phase and tier.
@@ -187,43 +209,22 @@ pub fn phases_text(policies: &[crate::report::PolicySummary]) -> String {
                 ),
                 None => ("-".into(), "-".into(), ph.policy.clone()),
             };
-            let _ = writeln!(
-                s,
-                "{:<18} {:>5} {:>9.3} {:>9} {:<18} {:>9} {:>6} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9} {:>6}",
-                p.policy,
-                ph.phase,
-                ph.from_s,
-                applied,
-                in_force,
-                queue,
-                ph.requests,
-                fmt_ms(ph.ttft_ms.p50, 1),
-                fmt_ms(ph.ttft_ms.p99, 1),
-                fmt_ms(ph.tpot_ms.p50, 2),
-                fmt_ms(ph.tpot_ms.p99, 2),
-                fmt_ms(ph.e2e_ms.p50, 1),
-                fmt_ms(ph.e2e_ms.p99, 1),
-                pct(ph.slo_attainment)
-            );
+            let from = format!("{:.3}", ph.from_s);
+            let phase = ph.phase.to_string();
+            let labels = [
+                p.policy.as_str(),
+                &phase,
+                &from,
+                &applied,
+                &in_force,
+                &queue,
+            ];
+            let stats = [&ph.ttft_ms, &ph.tpot_ms, &ph.e2e_ms];
+            phase_row(&mut s, labels, ph.requests, stats, &pct(ph.slo_attainment));
         }
-        let _ = writeln!(
-            s,
-            "{:<18} {:>5} {:>9} {:>9} {:<18} {:>9} {:>6} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9} {:>6}",
-            p.policy,
-            "all",
-            "-",
-            "-",
-            "-",
-            "-",
-            p.requests,
-            fmt_ms(p.ttft_ms.p50, 1),
-            fmt_ms(p.ttft_ms.p99, 1),
-            fmt_ms(p.tpot_ms.p50, 2),
-            fmt_ms(p.tpot_ms.p99, 2),
-            fmt_ms(p.e2e_ms.p50, 1),
-            fmt_ms(p.e2e_ms.p99, 1),
-            pct(p.slo_attainment)
-        );
+        let labels = [p.policy.as_str(), "all", "-", "-", "-", "-"];
+        let stats = [&p.ttft_ms, &p.tpot_ms, &p.e2e_ms];
+        phase_row(&mut s, labels, p.requests, stats, &pct(p.slo_attainment));
         for (k, c) in p
             .phases
             .iter()

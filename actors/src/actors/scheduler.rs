@@ -715,15 +715,7 @@ mod tests {
         fn name(&self) -> &str {
             "pipelined-counting"
         }
-        fn num_kv_blocks(&self) -> usize {
-            self.inner.num_kv_blocks()
-        }
-        fn block_size(&self) -> usize {
-            self.inner.block_size()
-        }
-        fn max_batch_tokens(&self) -> usize {
-            self.inner.max_batch_tokens()
-        }
+        crate::testing::inner_backend_shape!();
         fn execute(&mut self, batch: &Batch) -> Result<Vec<SeqOutput>, GpuError> {
             self.inner.execute(batch)
         }
