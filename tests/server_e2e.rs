@@ -476,6 +476,63 @@ fn bad_inputs_get_openai_errors_and_the_server_keeps_serving() {
     complete(s, "Still alive?", json!({"max_tokens": 2}));
 }
 
+/// A JSON array where the API takes an object is a 400 naming the field, as OpenAI and vLLM
+/// answer it: serde read an array as a struct's fields in order, so `"stream_options":
+/// [true]` was `{"include_usage": true}` and a five-element array a chat message.
+#[test]
+fn an_array_where_an_object_belongs_is_refused_naming_the_field() {
+    let s = &server();
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        (
+            "/v1/chat/completions",
+            json!({"messages": user, "stream": true, "stream_options": [true]}),
+            "stream_options",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [["user", "hi", null, null, null]], "max_tokens": 2}),
+            "messages[0]",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": [["text", "hi", null]]}]}),
+            "messages[0].content",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "stream": true, "stream_options": [true, false]}),
+            "stream_options",
+        ),
+        (
+            "/tokenize",
+            json!({"messages": [["user", "hi", null, null, null]]}),
+            "messages[0]",
+        ),
+    ];
+    for (path, body, param) in cases {
+        let (status, v) = s.post_json(path, &body);
+        assert_eq!(status, 400, "{path} {body} -> {v}");
+        assert_eq!(v["error"]["param"], param, "{path} {body} -> {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("expected an object")
+                || message.contains("content parts, each an object"),
+            "{path} {body} -> {v}"
+        );
+    }
+    // The same fields as objects are served.
+    let (status, v) = s.post_json(
+        "/v1/chat/completions",
+        &json!({"messages": user, "max_tokens": 2, "stream_options": null}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = s.post_json("/tokenize", &json!({"messages": user}));
+    assert_eq!(status, 200, "{v}");
+    complete(s, "Still alive?", json!({"max_tokens": 2}));
+}
+
 /// An error that quotes what the client sent (a value of the wrong type, an unknown role, a
 /// `logit_bias` key, a field path through a map's keys) is cut to a bounded size: each echoed
 /// the whole value, so that a 100 kB string came back as a 100 kB error message.

@@ -8,6 +8,7 @@ use serde::de::DeserializeOwned;
 
 use crate::auth::ApiConfig;
 use crate::error::ApiError;
+use crate::objects_only::ObjectsOnly;
 
 /// Reads the whole body (at most `max_body_bytes`, else 413; within `body_timeout`, else 408:
 /// a client that stops sending would hold its connection and its place in the drain) and
@@ -86,11 +87,13 @@ pub(crate) const MAX_JSON_DEPTH: usize = 127;
 /// JSON text is skipped, as RFC 8259 (section 8.1) lets a parser do and vLLM's does (Python's
 /// `json.loads` of bytes reads it as `utf-8-sig`): editors on Windows write one at the start
 /// of a file sent with `curl -d @file.json`, and serde_json would refuse it as "expected value
-/// at line 1 column 1", a body that reads as valid JSON to whoever sent it.
+/// at line 1 column 1", a body that reads as valid JSON to whoever sent it. A struct is read
+/// only from a JSON object ([`ObjectsOnly`]): serde would read an array as its fields in order.
 pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let mut de = serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| json_error(e, body))?;
+    let value =
+        serde_path_to_error::deserialize(ObjectsOnly(&mut de)).map_err(|e| json_error(e, body))?;
     de.end().map_err(|e| ApiError::InvalidRequest {
         message: format!("Invalid JSON body: {e}"),
         param: None,
@@ -98,9 +101,10 @@ pub(crate) fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
     Ok(value)
 }
 
-/// Reads an already parsed body as `T`, with [`parse_json`]'s errors.
+/// Reads an already parsed body as `T`, with [`parse_json`]'s errors (and its refusal of an
+/// array where an object belongs).
 pub(crate) fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(value).map_err(|e| json_error(e, &[]))
+    serde_path_to_error::deserialize(ObjectsOnly(value)).map_err(|e| json_error(e, &[]))
 }
 
 /// The 400 of a body that does not deserialize: data errors (wrong type, missing field) name
@@ -190,14 +194,9 @@ fn in_json_terms(message: &str) -> String {
         }
         w => w.into(),
     };
-    // serde names what it found before the expectation: "invalid type: sequence". A derived
-    // struct also reads an array as its fields in order, and refuses one of another length
-    // as "invalid length 2, expected struct X with 9 elements": the object it stands for is
-    // what to send.
+    // serde names what it found before the expectation: "invalid type: sequence" (a struct's
+    // refusal of an array, `ObjectsOnly`'s, says so too).
     let found = match found.rsplit_once(": ") {
-        _ if found.starts_with("invalid length ") && what == "an object" => {
-            "invalid type: array".to_owned()
-        }
         Some((head, "sequence")) => format!("{head}: array"),
         Some((head, "map")) => format!("{head}: object"),
         _ => found.to_owned(),
@@ -468,7 +467,7 @@ mod tests {
             ),
             (
                 chat(r#"{"messages": [["user", "Hi"]]}"#),
-                "invalid type: array, expected an object at line 1 column 28".to_owned(),
+                "invalid type: array, expected an object at line 1 column 15".to_owned(),
             ),
             (
                 from_value::<crate::engine::SpeculativeMethod>(serde_json::json!(5))

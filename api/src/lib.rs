@@ -36,6 +36,7 @@ pub mod engine;
 pub mod error;
 mod generation;
 pub mod metrics;
+pub mod objects_only;
 pub mod rate_limit;
 mod request_id;
 pub mod response_store;

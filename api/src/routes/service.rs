@@ -275,7 +275,8 @@ pub(crate) async fn put_policy(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let body: serde_json::Value = read_json(&req, payload, &state.config()).await?;
-    // Only an object: serde would read an array as the fields in order (`["fcfs"]` a swap).
+    // Only an object. `from_value` refuses an array too (serde would read one as the fields
+    // in order, `["fcfs"]` a swap), but this says what the body must be.
     let spec: PolicySpec = match body {
         body @ serde_json::Value::Object(_) => from_value(body)?,
         _ => {
@@ -395,7 +396,8 @@ pub(crate) async fn put_speculative(
     let body: serde_json::Value = read_json(&req, payload, &state.config()).await?;
     let settings = match body {
         serde_json::Value::Null => None,
-        // Only an object: serde would read an array as the fields in order.
+        // Only an object (`from_value` refuses an array too, in serde's words; this says
+        // what the body must be).
         body @ serde_json::Value::Object(_) => Some(from_value::<SpeculativeBody>(body)?.check()?),
         _ => {
             return Err(ApiError::InvalidRequest {

@@ -34,6 +34,7 @@ use crate::engine::{
     SamplingOptions, StructuredOutputSpec, TemplateKwargs,
 };
 use crate::error::ApiError;
+use crate::objects_only::objects_only;
 
 /// `prompt`: a string, a list of strings, a list of token ids or a list of token-id lists.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -156,8 +157,10 @@ pub struct CompletionRequest {
     /// vLLM's `spaces_between_special_tokens`: read (a boolean) and without effect, as with
     /// vLLM's fast tokenizers, so it is not reported as an ignored field.
     pub spaces_between_special_tokens: Option<bool>,
-    /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
-    #[serde(flatten)]
+    /// Structured output (`response_format`, `structured_outputs`, `guided_*`). Flattened
+    /// fields are read from serde's buffer, outside the body's wrapper: [`objects_only`] keeps
+    /// a struct among them from being read from an array.
+    #[serde(flatten, deserialize_with = "objects_only")]
     pub structured: StructuredFields,
     /// Fields no endpoint reads (logged, see [`IgnoredFields`]); last of the flattened fields.
     #[serde(flatten)]
@@ -257,11 +260,13 @@ pub struct ChatRequest {
     /// vLLM's `spaces_between_special_tokens`: read (a boolean) and without effect, as with
     /// vLLM's fast tokenizers, so it is not reported as an ignored field.
     pub spaces_between_special_tokens: Option<bool>,
-    /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
-    #[serde(flatten)]
+    /// Structured output (`response_format`, `structured_outputs`, `guided_*`). Flattened
+    /// fields are read from serde's buffer, outside the body's wrapper: [`objects_only`] keeps
+    /// a struct among them from being read from an array.
+    #[serde(flatten, deserialize_with = "objects_only")]
     pub structured: StructuredFields,
     /// OpenAI's fields that are only checked (`functions`, `modalities`, `service_tier`, ...).
-    #[serde(flatten)]
+    #[serde(flatten, deserialize_with = "objects_only")]
     pub extras: ChatExtras,
     /// Fields no endpoint reads (logged, see [`IgnoredFields`]); last of the flattened fields.
     #[serde(flatten)]
@@ -295,7 +300,9 @@ pub struct MessageField {
 pub enum ContentField {
     /// Plain text.
     Text(String),
-    /// Content parts.
+    /// Content parts. Read through [`objects_only`] (serde reads an untagged enum's variant
+    /// from its buffer, outside the body's wrapper): a part is an object, never an array.
+    #[serde(deserialize_with = "objects_only")]
     Parts(Vec<ContentPart>),
 }
 

@@ -71,6 +71,13 @@ fn response_format(v: &serde_json::Value) -> Result<Option<StructuredOutputSpec>
     if v.is_null() {
         return Ok(None);
     }
+    if !v.is_object() {
+        return Err(ApiError::invalid(
+            P,
+            "response_format must be an object with a \"type\" (\"text\", \"json_object\" \
+             or \"json_schema\")",
+        ));
+    }
     match v.get("type").and_then(|t| t.as_str()) {
         Some("text") => Ok(None),
         Some("json_object") => Ok(Some(StructuredOutputSpec::JsonObject)),
