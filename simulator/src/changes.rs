@@ -114,7 +114,8 @@ pub struct AppliedChange {
     pub applied_s: f64,
     /// What it does ([`TimedChange::what`]).
     pub what: String,
-    /// Whether it swapped the policy (`false`: it set none, or the one in force).
+    /// Whether it swapped the policy: for another one, or the one in force rebuilt with new
+    /// tiers (`false`: it set none, or the one in force with the tiers unchanged).
     pub swapped: bool,
     /// The policy in force from then on (its name).
     pub policy: String,

@@ -22,7 +22,8 @@ pub struct PhaseStart {
     pub at_s: f64,
     /// When it took effect: the first step boundary from `at_s` on, in seconds.
     pub applied_s: f64,
-    /// Whether it swapped the policy (`false`: it set none, or the one in force, which the
+    /// Whether it swapped the policy: for another one, or the one in force rebuilt with new
+    /// tiers (`false`: it set none, or the one in force with the tiers unchanged, which the
     /// server leaves running).
     pub swapped: bool,
     /// Requests in the scheduler's queue when it took effect (those the new policy found).
