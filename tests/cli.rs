@@ -1059,8 +1059,10 @@ fn simulate_locates_a_misspelt_policy_or_parameter_and_suggests_the_name() {
 }
 
 /// `changes:` through the binary: `sim-policy-swap.yaml` prints its phases table and writes
-/// them to `summary.json`; a change the server cannot make while it runs is refused before
-/// the run, naming the field and the time, as is one after the workload's last arrival.
+/// them to `summary.json`, `sim-tier-change.yaml` its tier changes and the targets in force
+/// per phase; a change the server cannot make while it runs is refused before the run,
+/// naming the line, the field and the time, as is one after the workload's last arrival and
+/// one whose tiers a request does not find at its arrival (found as the trace is read).
 #[test]
 fn simulate_reports_a_policy_swap_by_phase_and_refuses_what_takes_a_restart() {
     let root = env!("CARGO_MANIFEST_DIR");
@@ -1091,6 +1093,34 @@ fn simulate_reports_a_policy_swap_by_phase_and_refuses_what_takes_a_restart() {
         assert_eq!(total, p["requests"].as_u64().unwrap());
         assert_eq!(phases[2]["start"]["at_s"], 100.0);
     }
+    let out = succeeds(
+        switchyard()
+            .args([
+                "simulate",
+                "--config",
+                "config/examples/sim-tier-change.yaml",
+                "--out",
+            ])
+            .arg(dir.join("tiers"))
+            .current_dir(root),
+    );
+    assert!(
+        out.contains(
+            "change 1 at 50 s: tiers batch.max_kv_fraction none -> 0.33, premium.ttft_ms 200.0 \
+             -> 150.0"
+        ),
+        "{out}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("tiers").join("summary.json")).unwrap())
+            .unwrap();
+    let phases = summary["policies"][0]["phases"].as_array().unwrap();
+    // The tiers by name: batch, premium, standard; premium's TTFT target per phase.
+    let premium: Vec<&serde_json::Value> = phases
+        .iter()
+        .map(|ph| &ph["tiers"][1]["ttft_target_ms"])
+        .collect();
+    assert_eq!(premium, [200.0, 150.0, 150.0]);
     let trace = PathBuf::from(root).join("config/examples/sim-sample-trace.jsonl");
     let spec = dir.join("spec.yaml");
     let s = spec.display();
@@ -1098,16 +1128,28 @@ fn simulate_reports_a_policy_swap_by_phase_and_refuses_what_takes_a_restart() {
         (
             "[{at_s: 1, policy: {name: priority}}, {at_s: 2, scheduler: {max_num_seqs: 64}}]",
             format!(
-                "{s}: changes[1] (at_s 2): scheduler.max_num_seqs: takes a restart of the server"
+                "{s}:6: changes[1] (at_s 2): scheduler.max_num_seqs: takes a restart of the server"
             ),
         ),
         (
             "[{at_s: 2, policy: {name: priority}}, {at_s: 1, policy: {name: fcfs}}]",
-            format!("{s}: changes[1] (at_s 1): at_s must be later than changes[0]'s (2)"),
+            format!("{s}:6: changes[1] (at_s 1): at_s must be later than changes[0]'s (2)"),
         ),
         (
             "[{at_s: 1e5, policy: {name: priority}}]",
-            format!("{s}: changes[0] (at_s 100000): after the workload's last arrival"),
+            format!("{s}:6: changes[0] (at_s 100000): after the workload's last arrival"),
+        ),
+        (
+            "[{at_s: 1, tiers: {premium: {max_kv_fraction: 2}, standard: {}, batch: {}}}]",
+            format!("{s}:6: changes[0] (at_s 1): tiers.premium.max_kv_fraction 2 outside (0, 1]"),
+        ),
+        (
+            "[{at_s: 0.001, tiers: {premium: {}, standard: {}}}]",
+            format!(
+                "{s}:6: changes[0] (at_s 0.001): tiers: a request arriving at 0.100 s \
+                 names tier `batch`, which changes[0] (at_s 0.001)'s tiers in force then do \
+                 not define"
+            ),
         ),
     ] {
         std::fs::write(

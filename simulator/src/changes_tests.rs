@@ -25,7 +25,7 @@ fn refused(changes: &str, want: &str) {
 /// `changes` is accepted and resolves to `(at_us, policy name, max_pending, what)` each.
 fn accepted(changes: &str, want: &[(u64, Option<&str>, Option<usize>, &str)]) {
     let spec = parse(changes).unwrap_or_else(|e| panic!("{changes}: {e}"));
-    let got = timed(&spec.changes).unwrap();
+    let got = timed(&spec.changes, &spec.tiers).unwrap();
     let got: Vec<(u64, Option<&str>, Option<usize>, &str)> = got
         .iter()
         .map(|c| {
@@ -129,11 +129,6 @@ fn what_takes_a_restart_is_refused_with_its_field_and_time() {
 #[test]
 fn live_changes_a_simulation_does_not_model_are_refused_saying_so() {
     refused(
-        "[{at_s: 3, tiers: {gold: {ttft_ms: 50}}}]",
-        "changes[0] (at_s 3): tiers: the server applies new tiers on a SIGHUP, but a \
-         simulation does not change its tiers",
-    );
-    refused(
         "[{at_s: 3, scheduler: {step_timeout_s: 10}}]",
         "changes[0] (at_s 3): scheduler.step_timeout_s: a SIGHUP applies it, but simulated \
          steps never stall",
@@ -194,7 +189,7 @@ fn times_past_the_last_arrival_are_refused() {
     let spec =
         parse("[{at_s: 5, policy: {name: priority}}, {at_s: 12, policy: {name: fcfs}}]").unwrap();
     assert_eq!(check_times(&spec.changes, 12.0), Ok(()));
-    let e = check_times(&spec.changes, 11.5).unwrap_err();
+    let e = check_times(&spec.changes, 11.5).unwrap_err().to_string();
     assert!(
         e.starts_with("changes[1] (at_s 12): after the workload's last arrival (11.500 s)"),
         "{e}"
@@ -213,4 +208,188 @@ fn a_spec_with_changes_round_trips() {
     // Without changes, the key is not written.
     let none = parse("[]").unwrap();
     assert!(!serde_yaml::to_string(&none).unwrap().contains("changes"));
+}
+
+/// `changes` of a spec running `policies` (YAML flow) is refused with a message containing
+/// `want`.
+fn refused_with(policies: &str, changes: &str, want: &str) {
+    let yaml = format!(
+        "policies: {policies}\ntiers: {{gold: {{ttft_ms: 100}}}}\n\
+         workload: {{trace: t.csv, format: azure}}\nchanges: {changes}\n"
+    );
+    match SimulationSpec::from_yaml_str(&yaml, Path::new("s.yaml")) {
+        Ok(_) => panic!("{changes}: accepted"),
+        Err(e) => assert!(
+            e.to_string().contains(want),
+            "{changes}: {e}\nwanted: {want}"
+        ),
+    }
+}
+
+/// The `what` of each change of `changes`.
+fn whats(changes: &str) -> Vec<String> {
+    let spec = parse(changes).unwrap_or_else(|e| panic!("{changes}: {e}"));
+    timed(&spec.changes, &spec.tiers)
+        .unwrap()
+        .into_iter()
+        .map(|c| c.what)
+        .collect()
+}
+
+#[test]
+fn tiers_are_a_sighups_whole_section_named_by_what_changed() {
+    assert_eq!(
+        whats(
+            "[{at_s: 1, tiers: {gold: {ttft_ms: 50, weight: 2}}}, {at_s: 2, tiers: {gold: \
+             {ttft_ms: 50, weight: 2}, free: {max_pending_requests: 4}}}, {at_s: 3, tiers: \
+             {free: {max_pending_requests: 4}}}, {at_s: 4, tiers: {free: \
+             {max_pending_requests: 4}}}, {at_s: 5, policy: {name: priority}, tiers: {free: \
+             {}}}]"
+        ),
+        [
+            "tiers gold.ttft_ms 100.0 -> 50.0, gold.weight 1.0 -> 2.0",
+            "tiers +free",
+            "tiers -gold",
+            "tiers unchanged",
+            "policy priority, tiers free.max_pending_requests 4 -> none",
+        ]
+    );
+    let spec =
+        parse("[{at_s: 1, tiers: {gold: {}}}, {at_s: 2, server: {max_pending_requests: 3}}]")
+            .unwrap();
+    let t = timed(&spec.changes, &spec.tiers).unwrap();
+    // Both are SIGHUPs (the file's policy is put in force); neither names a policy.
+    assert_eq!(
+        t.iter()
+            .map(|c| (c.reload, c.policy.is_some(), c.tiers.is_some()))
+            .collect::<Vec<_>>(),
+        [(true, false, true), (true, false, false)]
+    );
+    let admin = parse("[{at_s: 1, policy: {name: fcfs}}]").unwrap();
+    let t = timed(&admin.changes, &admin.tiers).unwrap();
+    assert!(!t[0].reload && !t[0].policy_in_file);
+}
+
+#[test]
+fn a_changes_tiers_are_checked_as_the_specs_are() {
+    refused(
+        "[{at_s: 3, tiers: {gold: {max_kv_fraction: 0}}}]",
+        "changes[0] (at_s 3): tiers.gold.max_kv_fraction 0 outside (0, 1]",
+    );
+    refused(
+        "[{at_s: 3, tiers: {gold: {max_pending_requests: 2, max_pending_per_tenant: 3}}}]",
+        "changes[0] (at_s 3): tiers.gold.max_pending_per_tenant 3 exceeds",
+    );
+    refused(
+        "[{at_s: 3, tiers: {gold: {ttft_ms: -1}}}]",
+        "changes[0] (at_s 3): tiers.gold: targets must be positive",
+    );
+    // The fields are the spec's (and the server's): a misspelt one is named.
+    refused("[{at_s: 3, tiers: {gold: {tfft_ms: 5}}}]", "tfft_ms");
+    refused("[{at_s: 3, tiers: 4}]", "tiers");
+}
+
+#[test]
+fn a_policy_that_may_be_in_force_must_take_the_new_tiers() {
+    // fair-share weighs the tiers: a weight it refuses (the server's range is 0.001..=1e6)
+    // refuses the change, whether the policy is the run's or a change's before it.
+    let tiny = "tiers: {gold: {weight: 0.00001}}";
+    refused_with(
+        "[{name: fair-share}]",
+        &format!("[{{at_s: 3, {tiny}}}]"),
+        "changes[0] (at_s 3): tiers: policy `fair-share`, which may be in force then, is \
+         rebuilt with the new tiers",
+    );
+    refused_with(
+        "[{name: fcfs}]",
+        &format!("[{{at_s: 2, policy: {{name: fair-share}}}}, {{at_s: 3, {tiny}}}]"),
+        "changes[1] (at_s 3): tiers: policy `fair-share`",
+    );
+    // A policy named after the tiers changed is built with them.
+    refused_with(
+        "[{name: fcfs}]",
+        &format!("[{{at_s: 2, {tiny}}}, {{at_s: 3, policy: {{name: fair-share}}}}]"),
+        "changes[1] (at_s 3): policy: ",
+    );
+}
+
+#[test]
+fn a_refused_change_is_named_at_its_line() {
+    let yaml = "policies: [{name: fcfs}]\ntiers: {gold: {ttft_ms: 100}}\n\
+                workload: {trace: t.csv, format: azure}\nchanges:\n  - at_s: 1\n    \
+                policy: {name: priority}\n  - at_s: 2\n    tiers:\n      gold:\n        \
+                ttft_ms: 50\n        max_kv_fraction: 2\n  - at_s: 3\n    \
+                scheduler: {max_num_seqs: 4}\n";
+    let err = |yaml: &str| {
+        SimulationSpec::from_yaml_str(yaml, Path::new("s.yaml"))
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(
+        err(yaml).starts_with("s.yaml:11: changes[1] (at_s 2): tiers.gold.max_kv_fraction 2"),
+        "{}",
+        err(yaml)
+    );
+    let fixed = yaml.replace("max_kv_fraction: 2", "max_kv_fraction: 0.5");
+    assert!(
+        err(&fixed)
+            .starts_with("s.yaml:13: changes[2] (at_s 3): scheduler.max_num_seqs: takes a restart"),
+        "{}",
+        err(&fixed)
+    );
+    let unordered = fixed.replace("at_s: 3", "at_s: 0.5");
+    assert!(
+        err(&unordered).starts_with("s.yaml:12: changes[2] (at_s 0.5): at_s must be later"),
+        "{}",
+        err(&unordered)
+    );
+    // A flow list over one line: the line of `changes`.
+    let flow = "policies: [{name: fcfs}]\nworkload: {trace: t.csv, format: azure}\n\
+                changes: [{at_s: 1, cache: {block_size: 32}}]\n";
+    assert!(err(flow).starts_with("s.yaml:3: changes[0] (at_s 1): cache: takes a restart"));
+}
+
+#[test]
+fn requests_must_name_a_tier_in_force_at_their_arrival() {
+    let spec = parse(
+        "[{at_s: 2, tiers: {gold: {}, free: {}}}, {at_s: 4, tiers: {free: {}}}, {at_s: 6, \
+         policy: {name: priority}}]",
+    )
+    .unwrap();
+    let check = |arrivals: &[(f64, &str)]| {
+        check_workload(&spec.changes, &spec.tiers, arrivals.iter().copied())
+            .map_err(|r| r.to_string())
+    };
+    assert_eq!(
+        check(&[
+            (0.0, "gold"),
+            (2.0, "free"),
+            (3.9, "gold"),
+            (4.0, ""),
+            (6.0, "free")
+        ]),
+        Ok(())
+    );
+    let e = check(&[(1.9, "free"), (6.0, "free")]).unwrap_err();
+    assert!(
+        e.starts_with(
+            "changes[0] (at_s 2): tiers: a request arriving at 1.900 s names tier `free`, \
+             which the spec's tiers in force then do not define"
+        ),
+        "{e}"
+    );
+    let e = check(&[(4.0, "gold"), (6.0, "free")]).unwrap_err();
+    assert!(
+        e.starts_with(
+            "changes[1] (at_s 4): tiers: a request arriving at 4.000 s names tier `gold`, \
+             which changes[1] (at_s 4)'s tiers"
+        ),
+        "{e}"
+    );
+    // The time check comes first, in its own words.
+    let e = check(&[(0.0, "gold"), (5.0, "free")]).unwrap_err();
+    assert!(
+        e.starts_with("changes[2] (at_s 6): after the workload's last arrival"),
+        "{e}"
+    );
 }

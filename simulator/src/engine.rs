@@ -404,14 +404,9 @@ impl Simulation {
                     message: e.to_string(),
                 })?;
         }
-        let changes = crate::changes::timed(&spec.changes).map_err(|m| SimError::spec(cli, m))?;
-        for (i, c) in changes.iter().enumerate() {
-            let Some(p) = &c.policy else { continue };
-            let (params, _) = policy_params(p, slo_aware.as_ref());
-            registry
-                .create(&p.name, &params, &scheduler.tiers)
-                .map_err(|e| SimError::spec(cli, format!("changes[{i}]: policy: {e}")))?;
-        }
+        let changes = crate::changes::timed(&spec.changes, &spec.tiers)
+            .map_err(|r| spec.change_refused(&r))?;
+        check_changes(spec, &changes, &scheduler, &registry, slo_aware.as_ref())?;
         let lora_memory = match &spec.scheduler.lora_memory {
             None => None,
             Some(m) => {
@@ -467,8 +462,20 @@ impl Simulation {
             end_s: w.end_s,
             // As the server refuses a tier its configuration does not define: with no tiers
             // defined, every tier a trace names is an error (the README's rule), not a label
-            // that silently gets no targets and no priority.
-            known_tiers: Some(self.spec.tiers.keys().cloned().collect()),
+            // that silently gets no targets and no priority. A tier a change defines is
+            // known; whether it is in force at the request's arrival is checked below.
+            known_tiers: Some(
+                self.spec
+                    .tiers
+                    .keys()
+                    .chain(
+                        self.changes
+                            .iter()
+                            .flat_map(|c| c.tiers.iter().flatten().map(|t| t.0)),
+                    )
+                    .cloned()
+                    .collect(),
+            ),
         };
         let arrival = w.arrival.clone().unwrap_or_default();
         let mut requests = if w.format == TraceFormat::Sharegpt {
@@ -557,6 +564,7 @@ impl Simulation {
             };
             trace::assign_clients(&mut requests, &draws, self.spec.seed);
         }
+        self.check_workload(&requests)?;
         Ok(Workload {
             requests,
             estimated_capacity_rps,
@@ -628,9 +636,7 @@ impl Simulation {
         let full = kind == RunKind::Full;
         let changes: &[TimedChange] = if full { &self.changes } else { &[] };
         if full {
-            let last_arrival_s = requests.iter().map(|r| r.arrival_s).fold(0.0, f64::max);
-            crate::changes::check_times(&self.spec.changes, last_arrival_s)
-                .map_err(|m| SimError::spec(self.spec.source(), m))?;
+            self.check_workload(requests)?;
         }
         let (boxed, params_from_calibration) = self.build_policy(policy)?;
         let key = [
@@ -661,12 +667,30 @@ impl Simulation {
         })
     }
 
+    /// Refuses `requests` (as shaped) where the spec's changes do not fit them: a change
+    /// after the last arrival, a request naming a tier not in force at its arrival
+    /// ([`crate::changes::check_workload`]); the error names the change's line.
+    fn check_workload(&self, requests: &[TraceRequest]) -> Result<(), SimError> {
+        let arrivals = requests.iter().map(|r| (r.arrival_s, r.tier.as_str()));
+        crate::changes::check_workload(&self.spec.changes, &self.spec.tiers, arrivals)
+            .map_err(|r| self.spec.change_refused(&r))
+    }
+
     /// Builds `policy` with the parameters it runs with ([`policy_params`]) and the spec's
     /// tiers, as the server's registry builds it; returns the calibration's figures taken.
     fn build_policy(&self, policy: &PolicySpec) -> Result<BuiltPolicy, SimError> {
+        self.build_policy_with(policy, &self.scheduler.tiers)
+    }
+
+    /// [`Simulation::build_policy`] with `tiers` (those a change put in force).
+    fn build_policy_with(
+        &self,
+        policy: &PolicySpec,
+        tiers: &[switchyard_policies::TierSpec],
+    ) -> Result<BuiltPolicy, SimError> {
         let (params, taken) = policy_params(policy, self.slo_aware.as_ref());
         let boxed = PolicyRegistry::with_builtins()
-            .create(&policy.name, &params, &self.scheduler.tiers)
+            .create(&policy.name, &params, tiers)
             .map_err(|e| SimError::Policy {
                 path: self.spec.source().to_path_buf(),
                 name: policy.name.clone(),
@@ -804,6 +828,11 @@ struct Track {
     /// Prompt tokens the prefix cache served at its first admission.
     cached_prompt_tokens: u64,
     outcome: Outcome,
+    /// Its tier's SLO targets and priority when it arrived ([`Loop::note_arrival`]): those
+    /// it is queued with and judged by, whatever a change sets later.
+    ttft_target_ms: Option<f64>,
+    tpot_target_ms: Option<f64>,
+    tier_priority: Option<i32>,
 }
 
 #[derive(Clone, Copy, Default, PartialEq)]
@@ -844,6 +873,7 @@ struct Loop<'a> {
     /// yet: (arrival, index). The others arrive in trace order (the cursor `next` of the
     /// loops, which skips the chained ones).
     released: BTreeSet<(u64, usize)>,
+    /// The tiers in force: the spec's, then those of the last change that set them.
     tiers: &'a BTreeMap<String, TierConf>,
     label: String,
     tracks: Vec<Track>,
@@ -908,6 +938,9 @@ struct Loop<'a> {
     next_change: usize,
     /// The policy in force, as written (the run's, then the changes').
     policy_in_force: PolicySpec,
+    /// The policy of the server's file, which a SIGHUP puts in force: the run's, then the
+    /// changes' `scheduler.policy`.
+    file_policy: PolicySpec,
     /// The server's bound on requests in flight in force (`scheduler.max_pending_requests`,
     /// then the changes' `server.max_pending_requests`).
     max_pending: Option<usize>,
@@ -1012,25 +1045,36 @@ impl<'a> Loop<'a> {
             changes,
             next_change: 0,
             policy_in_force: policy.clone(),
+            file_policy: policy.clone(),
             max_pending: sim.spec.scheduler.max_pending_requests,
             applied: Vec::new(),
             policy_name: policy.name.clone(),
         }
     }
 
+    /// Request `i` arrived: its tier's targets and priority then are those it is queued
+    /// with and judged by.
+    fn note_arrival(&mut self, i: usize) {
+        let tier = self.tiers.get(&self.requests[i].tier);
+        let t = &mut self.tracks[i];
+        t.ttft_target_ms = tier.and_then(|c| c.ttft_ms);
+        t.tpot_target_ms = tier.and_then(|c| c.tpot_ms);
+        t.tier_priority = tier.map(|c| c.priority);
+    }
+
     fn request(&self, i: usize) -> Request {
         let r = &self.requests[i];
-        let tier = self.tiers.get(&r.tier);
+        let t = &self.tracks[i];
         Request {
             id: RequestId(i as u64),
             tenant: r.tenant.clone(),
             tier: r.tier.clone(),
-            priority: switchyard_policies::request_priority(r.priority, tier.map(|t| t.priority)),
+            priority: switchyard_policies::request_priority(r.priority, t.tier_priority),
             lora_adapter: r.adapter,
             arrival: Timestamp(self.arrivals_us[i]),
             slo: SloTargets {
-                ttft_ms: tier.and_then(|t| t.ttft_ms),
-                tpot_ms: tier.and_then(|t| t.tpot_ms),
+                ttft_ms: t.ttft_target_ms,
+                tpot_ms: t.tpot_target_ms,
             },
             prompt: r.prompt.clone(),
             limits: SamplingLimits {
@@ -1233,6 +1277,7 @@ impl<'a> Loop<'a> {
             match (arriving, ready) {
                 (Some((t, i)), r) if r.is_none_or(|r| t < r.0) => {
                     self.take_arrival(next, (t, i));
+                    self.note_arrival(i);
                     if !self.within_rate_limits(i) {
                         self.tracks[i].outcome = Outcome::RateLimited;
                         self.ended(i, t);
@@ -1344,43 +1389,6 @@ impl<'a> Loop<'a> {
         let refused = answers.refused.len() + answers.unavailable.len();
         self.answers = answers;
         refused
-    }
-
-    /// Applies the changes made by `now`, at this step boundary (as the server's scheduler
-    /// takes a swap before it plans its next step): a new policy goes in through
-    /// [`Scheduler::swap_policy`], the server's own swap, unless it equals the one in force
-    /// (left running, as the server leaves it); a new bound on requests in flight holds for
-    /// the arrivals from then on.
-    fn apply_changes(&mut self, now: u64) -> Result<(), SimError> {
-        let (sim, changes) = (self.sim, self.changes);
-        while let Some(change) = changes.get(self.next_change).filter(|c| c.at_us <= now) {
-            self.next_change += 1;
-            let stats = self.sched.stats();
-            let mut swapped = false;
-            if let Some(p) = change
-                .policy
-                .as_ref()
-                .filter(|p| !crate::changes::same_policy(p, &self.policy_in_force))
-            {
-                let (policy, _) = sim.build_policy(p)?;
-                self.sched.swap_policy(policy);
-                self.policy_in_force = p.clone();
-                swapped = true;
-            }
-            if let Some(n) = change.max_pending_requests {
-                self.max_pending = Some(n);
-            }
-            self.applied.push(AppliedChange {
-                at_s: change.at_us as f64 / 1e6,
-                applied_s: now as f64 / 1e6,
-                what: change.what.clone(),
-                swapped,
-                policy: self.policy_in_force.name.clone(),
-                waiting: stats.num_waiting as u64,
-                running: stats.num_running as u64,
-            });
-        }
-        Ok(())
     }
 
     /// When the next request arrives or leaves the front end, the next LoRA event comes or
@@ -1739,7 +1747,7 @@ impl<'a> Loop<'a> {
             .zip(self.requests)
             .zip(&self.arrivals_us)
             .enumerate()
-            .map(|(i, ((t, r), &a))| record(i, t, a, r, self.tiers.get(&r.tier)))
+            .map(|(i, ((t, r), &a))| record(i, t, a, r))
             .collect();
         let lora_memory = self.memory.as_ref().map(|m| {
             for (rec, (wait, r)) in records
@@ -1782,13 +1790,8 @@ impl<'a> Loop<'a> {
     }
 }
 
-fn record(
-    i: usize,
-    t: &Track,
-    arrival_us: u64,
-    r: &TraceRequest,
-    tier: Option<&TierConf>,
-) -> RequestRecord {
+/// Request `i`'s record, judged by its tier's targets at its arrival.
+fn record(i: usize, t: &Track, arrival_us: u64, r: &TraceRequest) -> RequestRecord {
     // Integer microseconds divided once, so values print exactly (0.116444, not 0.11644399999999999).
     let secs = |us: Option<u64>| us.map(|v| v as f64 / 1e6);
     let since_arrival_ms = |us: Option<u64>| us.map(|v| v.saturating_sub(arrival_us) as f64 / 1e3);
@@ -1829,12 +1832,16 @@ fn record(
         ttft_ms,
         tpot_ms,
         e2e_ms,
-        met_ttft: met(tier.and_then(|c| c.ttft_ms), ttft_ms),
-        met_tpot: met(tier.and_then(|c| c.tpot_ms), tpot_ms),
+        met_ttft: met(t.ttft_target_ms, ttft_ms),
+        met_tpot: met(t.tpot_target_ms, tpot_ms),
         adapter: None,
         adapter_wait_ms: None,
     }
 }
+
+#[path = "engine_changes.rs"]
+mod engine_changes;
+use engine_changes::check_changes;
 
 #[cfg(test)]
 mod tests {
@@ -2499,7 +2506,7 @@ workload: {trace: unused.csv, format: azure}
         assert!(err.contains("output tokens"), "{err}");
     }
 
-    fn temp(tag: &str) -> crate::scratch::ScratchDir {
+    pub(super) fn temp(tag: &str) -> crate::scratch::ScratchDir {
         crate::scratch::ScratchDir::new(&format!("engine-{tag}"))
     }
 
@@ -3354,3 +3361,7 @@ mod host_kv_tests;
 #[cfg(test)]
 #[path = "engine_swap_tests.rs"]
 mod swap_tests;
+
+#[cfg(test)]
+#[path = "engine_tier_change_tests.rs"]
+mod tier_change_tests;

@@ -103,6 +103,8 @@ fn a_swap_changes_the_order_only_after_its_time_and_keeps_every_request() {
             policy: "priority".into(),
             waiting: 4,
             running: 1,
+            tiers: None,
+            notes: Vec::new(),
         }]
     );
 }
@@ -166,13 +168,16 @@ fn a_lowered_bound_on_requests_in_flight_refuses_later_arrivals() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
-    /// Whatever the arrivals, lengths and swap times, with steps planned in order or ahead:
-    /// every request ends once with all its tokens, and each change is applied once, in
-    /// order, no earlier than its time.
+    /// Whatever the arrivals, lengths and swap times, with steps planned in order or ahead,
+    /// and changes that swap the policy or set new tiers (priorities, targets, KV bounds,
+    /// a tier added or removed: a SIGHUP, which also puts the file's policy back): every
+    /// request ends once with all its tokens, and each change is applied once, in order, no
+    /// earlier than its time.
     #[test]
     fn swaps_lose_and_duplicate_no_request(
         reqs in proptest::collection::vec((0u32..20, 1u32..6, any::<bool>()), 1..24),
         times in proptest::collection::btree_set(0u32..20, 0..4),
+        kinds in proptest::collection::vec((any::<bool>(), 0i32..3, 0i32..3, 1u32..=20, any::<bool>()), 4),
         async_scheduling in any::<bool>(),
     ) {
         let mut rs: Vec<TraceRequest> = reqs
@@ -186,7 +191,20 @@ proptest! {
             .iter()
             .filter(|&&t| t <= last_ms)
             .enumerate()
-            .map(|(k, t)| format!("{{at_s: {}, policy: {{name: {}}}}}", f64::from(*t) / 1e3, policies[k]))
+            .map(|(k, t)| {
+                let at_s = f64::from(*t) / 1e3;
+                let (tiers, hi, lo, kv, extra) = kinds[k];
+                if !tiers {
+                    return format!("{{at_s: {at_s}, policy: {{name: {}}}}}", policies[k]);
+                }
+                // A request needs at most one block: a bound of 0.05 of 64 blocks holds it.
+                let kv = f64::from(kv) / 20.0;
+                let extra = if extra { ", extra: {weight: 3}" } else { "" };
+                format!(
+                    "{{at_s: {at_s}, tiers: {{hi: {{priority: {hi}, ttft_ms: {kv}, \
+                     max_kv_fraction: {kv}}}, lo: {{priority: {lo}, preemptible: true}}{extra}}}}}"
+                )
+            })
             .collect();
         let sim = sim(&format!("[{}]", changes.join(", ")), async_scheduling);
         let run = sim.run_policy(&PolicySpec::named("fcfs"), &rs, false).unwrap();

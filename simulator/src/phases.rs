@@ -2,7 +2,10 @@
 //! holds the requests arriving before the first change, phase k those arriving from the
 //! k-th change's time to the next one's. A request belongs to the phase it arrived in
 //! (when it was sent, for a closed-loop client's), wherever it ran: the requests queued at a
-//! change are the earlier phase's, and what the new policy does to them shows there.
+//! change are the earlier phase's, and what the new policy does to them shows there. A
+//! request is judged by its tier's SLO targets when it arrived (those it was queued with), so
+//! a phase's per-tier attainment is against the targets in force in that phase, which its
+//! tier rows show beside it.
 
 use crate::changes::AppliedChange;
 use crate::report::{fmt_ms, stats_of, tier_summary, LatencyStats, RequestRecord, TierSummary};
@@ -19,13 +22,18 @@ pub struct PhaseStart {
     pub at_s: f64,
     /// When it took effect: the first step boundary from `at_s` on, in seconds.
     pub applied_s: f64,
-    /// Whether it swapped the policy (`false`: it set none, or the one in force, which the
+    /// Whether it swapped the policy: for another one, or the one in force rebuilt with new
+    /// tiers (`false`: it set none, or the one in force with the tiers unchanged, which the
     /// server leaves running).
     pub swapped: bool,
     /// Requests in the scheduler's queue when it took effect (those the new policy found).
     pub waiting: u64,
     /// Requests running then.
     pub running: u64,
+    /// How the tiers' new KV bounds took where not as asked (a tier over its new bound, or
+    /// one held up by a request queued before), as the server warns of them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 /// The figures of one phase.
@@ -58,13 +66,13 @@ pub struct PhaseSummary {
     pub slo_requests: u64,
     /// Fraction of those meeting every target of their tier (`None`: none has a target).
     pub slo_attainment: Option<f64>,
-    /// Per-tier SLO results, by tier name (the tiers' targets filled in by
-    /// `PolicySummary::set_tier_targets`' rule).
+    /// Per-tier SLO results, by tier name, with the targets of the tiers in force in the
+    /// phase (the spec's, or those of the last change that set them).
     pub tiers: Vec<TierSummary>,
 }
 
 /// The phases of a run whose `records` saw the changes `applied` (in time order), from
-/// `first_policy`, the run's own policy (its name).
+/// `first_policy`, the run's own policy (its name), and `tiers`, the spec's.
 pub fn phase_summaries(
     records: &[RequestRecord],
     applied: &[AppliedChange],
@@ -86,6 +94,11 @@ pub fn phase_summaries(
         .enumerate()
         .map(|(k, rs)| {
             let start = k.checked_sub(1).map(|j| &applied[j]);
+            let tiers = applied[..k]
+                .iter()
+                .rev()
+                .find_map(|c| c.tiers.as_ref())
+                .unwrap_or(tiers);
             let first = rs.iter().map(|r| r.arrival_s).fold(f64::INFINITY, f64::min);
             let last = rs
                 .iter()
@@ -120,6 +133,7 @@ pub fn phase_summaries(
                     swapped: c.swapped,
                     waiting: c.waiting,
                     running: c.running,
+                    notes: c.notes.clone(),
                 }),
                 from_s: start.map_or(0.0, |c| c.at_s),
                 to_s: bounds.get(k).copied(),
@@ -170,6 +184,8 @@ pub fn phases_text(policies: &[crate::report::PolicySummary]) -> String {
         return s;
     }
     let pct = |x: Option<f64>| x.map_or("n/a".to_string(), |v| format!("{:.1}", 100.0 * v));
+    // A tier's target in force in the phase (`-`: none), as written.
+    let target = |x: Option<f64>| x.map_or("-".to_string(), |v| v.to_string());
     let _ = writeln!(
         s,
         "\nphases: the requests arriving before the first change (phase 0), then from each \
@@ -235,6 +251,9 @@ pub fn phases_text(policies: &[crate::report::PolicySummary]) -> String {
                 "{:<18} change {k} at {} s: {}",
                 p.policy, c.at_s, c.change
             );
+            for note in &c.notes {
+                let _ = writeln!(s, "{:<18}   {note}", p.policy);
+            }
         }
     }
     let tiered = policies.iter().any(|p| {
@@ -245,8 +264,18 @@ pub fn phases_text(policies: &[crate::report::PolicySummary]) -> String {
     if tiered {
         let _ = writeln!(
             s,
-            "\n{:<18} {:>5} {:<10} {:>6} {:>7} {:>7} {:>7} {:>9} {:>9}",
-            "policy", "phase", "tier", "reqs", "ttft%", "tpot%", "slo%", "ttft p99", "tpot p99"
+            "\n{:<18} {:>5} {:<10} {:>6} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9}",
+            "policy",
+            "phase",
+            "tier",
+            "reqs",
+            "ttft%",
+            "tpot%",
+            "slo%",
+            "ttft p99",
+            "tpot p99",
+            "ttft tgt",
+            "tpot tgt"
         );
         for p in policies {
             let rows = p.phases.iter().map(|ph| (ph.phase.to_string(), &ph.tiers));
@@ -257,7 +286,7 @@ pub fn phases_text(policies: &[crate::report::PolicySummary]) -> String {
                 for t in tiers {
                     let _ = writeln!(
                         s,
-                        "{:<18} {:>5} {:<10} {:>6} {:>7} {:>7} {:>7} {:>9} {:>9}",
+                        "{:<18} {:>5} {:<10} {:>6} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9}",
                         p.policy,
                         phase,
                         t.tier,
@@ -266,7 +295,9 @@ pub fn phases_text(policies: &[crate::report::PolicySummary]) -> String {
                         pct(t.tpot_attainment),
                         pct(t.slo_attainment),
                         fmt_ms(t.ttft_ms.p99, 1),
-                        fmt_ms(t.tpot_ms.p99, 2)
+                        fmt_ms(t.tpot_ms.p99, 2),
+                        target(t.ttft_target_ms),
+                        target(t.tpot_target_ms)
                     );
                 }
             }
@@ -303,6 +334,8 @@ mod tests {
             policy: policy.into(),
             waiting: 3,
             running: 2,
+            tiers: None,
+            notes: Vec::new(),
         }
     }
 

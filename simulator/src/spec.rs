@@ -127,14 +127,20 @@ pub struct SimulationSpec {
     /// The request workload.
     pub workload: WorkloadSpec,
     /// What an operator changes while the server runs, at simulated times: a policy swap
-    /// (`PUT /admin/policy`) or what a SIGHUP applies ([`crate::changes`]). Each policy of
-    /// `policies` starts the run and the changes follow it; the report has figures per phase.
+    /// (`PUT /admin/policy`) or what a SIGHUP applies, tiers included ([`crate::changes`]).
+    /// Each policy of `policies` starts the run and the changes follow it; the report has
+    /// figures per phase.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub changes: Vec<crate::changes::ChangeSpec>,
     /// The file the spec was read from ("<cli>" for flags): named by errors found once the
     /// spec is parsed (building the simulation, shaping the workload). Not a field of the file.
     #[serde(skip)]
     pub source: PathBuf,
+    /// The line of the file each entry of `changes` starts on, where the YAML's layout shows
+    /// it: named by the errors about a change found once the workload is loaded. Not a field
+    /// of the file.
+    #[serde(skip)]
+    pub change_lines: Vec<Option<usize>>,
 }
 
 fn default_model() -> ModelChoice {
@@ -906,10 +912,33 @@ impl SimulationSpec {
         }
         let mut spec: SimulationSpec =
             serde_yaml::from_str(text).map_err(|e| yaml_error(path, &e))?;
-        spec.validate().map_err(|m| SimError::spec(path, m))?;
+        spec.validate_sections()
+            .map_err(|m| SimError::spec(path, m))?;
+        spec.validate_workload()
+            .map_err(|m| SimError::spec(path, m))?;
         spec.check_policies(text, path)?;
+        // After the policies: a change's tiers are checked by building them.
+        spec.check_changes()
+            .map_err(|r| change_error(path, r.line(text), &r))?;
         spec.source = path.to_path_buf();
+        spec.change_lines = (0..spec.changes.len())
+            .map(|i| switchyard_config::locate(text, &format!("changes[{i}]")))
+            .collect();
         Ok(spec)
+    }
+
+    /// Checks `changes` ([`crate::changes::validate`]) against the spec's tiers and policies.
+    fn check_changes(&self) -> Result<(), crate::changes::Refusal> {
+        crate::changes::validate(&self.changes, &self.tiers, &self.policies)
+    }
+
+    /// The error of a change refused once the workload is loaded, with the line its entry
+    /// starts on.
+    pub(crate) fn change_refused(&self, r: &crate::changes::Refusal) -> SimError {
+        let line = r
+            .index
+            .and_then(|i| self.change_lines.get(i).copied().flatten());
+        change_error(self.source(), line, r)
     }
 
     /// Builds each policy from the spec's own parameters, as the registry that runs it does,
@@ -992,8 +1021,16 @@ impl SimulationSpec {
         Ok(h)
     }
 
-    /// Checks ranges and cross-field rules that serde cannot.
+    /// Checks ranges and cross-field rules that serde cannot: the sections, the changes and
+    /// the workload.
     pub fn validate(&self) -> Result<(), String> {
+        self.validate_sections()?;
+        self.check_changes().map_err(|r| r.to_string())?;
+        self.validate_workload()
+    }
+
+    /// [`SimulationSpec::validate`]'s checks of every section but `changes` and `workload`.
+    fn validate_sections(&self) -> Result<(), String> {
         self.model_spec()?;
         self.hardware_spec()?;
         let c = &self.cache;
@@ -1131,9 +1168,7 @@ impl SimulationSpec {
                 w[0]
             ));
         }
-        validate_tiers(&self.tiers)?;
-        crate::changes::validate(&self.changes, &tier_specs(&self.tiers))?;
-        self.validate_workload()
+        validate_tiers(&self.tiers)
     }
 
     fn validate_workload(&self) -> Result<(), String> {
@@ -1254,7 +1289,7 @@ pub fn show_range(r: &std::ops::RangeInclusive<f64>) -> String {
 /// Checks tier definitions (a spec's `tiers`, or those of `--tiers FILE`).
 use switchyard_policies::MAX_QUEUE_MS;
 
-fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
+pub(crate) fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
     if tiers.len() > MAX_LABELS {
         return Err(format!("tiers: at most {MAX_LABELS}"));
     }
@@ -1305,6 +1340,16 @@ fn validate_tiers(tiers: &BTreeMap<String, TierConf>) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The error of a refused change, at `line` of the spec `path` when known.
+fn change_error(path: &Path, line: Option<usize>, r: &crate::changes::Refusal) -> SimError {
+    SimError::Spec {
+        path: path.to_path_buf(),
+        line,
+        column: None,
+        message: r.to_string(),
+    }
 }
 
 /// The tiers as the policies take them.
@@ -1488,6 +1533,7 @@ impl SimulationSpec {
             },
             changes: Vec::new(),
             source: cli.to_path_buf(),
+            change_lines: Vec::new(),
         };
         // The command line cannot set labels, so the spec's advice for a repeated one does
         // not apply to it.

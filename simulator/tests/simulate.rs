@@ -708,3 +708,60 @@ fn the_policy_swap_example_reports_each_phase() {
     assert_eq!(phase["tiers"][1]["tier"], "premium");
     assert!(phase["tiers"][1]["slo_attainment"].is_number(), "{phase}");
 }
+
+/// `sim-tier-change.yaml`: every policy's run has a phase per tier change and one before
+/// them; each change rebuilt the policy in force with the new tiers (a swap, the policy
+/// kept); each phase's tier rows carry the targets in force in it, and each request was
+/// judged by those of its arrival (its phase's); the text report names what changed.
+#[test]
+fn the_tier_change_example_judges_each_phase_by_its_targets() {
+    let spec = SimulationSpec::from_yaml_file(&example("sim-tier-change.yaml")).unwrap();
+    assert_eq!(spec.changes.len(), 2);
+    let (cmp, runs) = switchyard_simulator::simulate(&spec, false).unwrap();
+    for (p, r) in cmp.policies.iter().zip(&runs) {
+        let phases = &p.phases;
+        assert_eq!(phases.len(), 3, "{}", p.policy);
+        assert_eq!(phases.iter().map(|ph| ph.requests).sum::<u64>(), p.requests);
+        for ph in &phases[1..] {
+            let start = ph.start.as_ref().expect("a change starts the phase");
+            assert!(start.swapped && ph.policy == p.policy, "{start:?}");
+            assert!(ph.requests > 0, "{ph:?}");
+        }
+        // The targets in force per phase: premium's TTFT 200 ms, then 150 ms; standard's
+        // 1 s, then 2 s from the second change.
+        let target = |k: usize, tier: &str| {
+            let t = phases[k].tiers.iter().find(|t| t.tier == tier).unwrap();
+            t.ttft_target_ms
+        };
+        assert_eq!(
+            [0, 1, 2].map(|k| (target(k, "premium"), target(k, "standard"))),
+            [
+                (Some(200.0), Some(1000.0)),
+                (Some(150.0), Some(1000.0)),
+                (Some(150.0), Some(2000.0))
+            ]
+        );
+        // Each premium request met its TTFT target by the phase it arrived in.
+        for rec in r.records.iter().filter(|rec| rec.tier == "premium") {
+            let limit = if rec.arrival_s < 50.0 { 200.0 } else { 150.0 };
+            let met = rec.finish_s.is_some() && rec.ttft_ms.is_some_and(|t| t <= limit);
+            assert_eq!(rec.met_ttft, Some(met), "{rec:?}");
+        }
+    }
+    let text = cmp.to_text();
+    assert!(
+        text.contains(
+            "change 1 at 50 s: tiers batch.max_kv_fraction none -> 0.33, premium.ttft_ms \
+             200.0 -> 150.0"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "change 2 at 100 s: tiers batch.max_pending_requests none -> 64, \
+             standard.ttft_ms 1000.0 -> 2000.0"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("ttft tgt"), "{text}");
+}
