@@ -13,7 +13,7 @@
 //! recently used response leaves first when a bound would be passed; one response larger than
 //! the byte bound is not kept. Every operation is O(log n). A background response created with
 //! `stream` keeps its events with it ([`events`]): counted against the byte bound too, while it
-//! runs and once stored, and never journaled.
+//! runs, once stored, and (not kept) while live readers still read them; never journaled.
 //!
 //! A background response still running is never evicted: its `queued` entry stays out of the
 //! recency order until its end replaces it (or a cancel or DELETE ends it), so the bounds let
@@ -23,7 +23,10 @@
 //! its start (registered and stored `queued` at once), its end stored by its task (only while
 //! it is still registered), a cancel (unregistered, its events ended and the response stored
 //! `cancelled` at once) and a DELETE (unregistered and removed at once). So a DELETE answered
-//! 200 stays deleted, and a cancel answered 200 stays `cancelled`.
+//! 200 stays deleted, and a cancel answered 200 stays `cancelled`. A stream's look at a
+//! response takes its events under the same lock ([`ResponseStore::get_for_stream`]), so a
+//! DELETE is before it or after it, never between. Running responses are bounded apart from
+//! the store: each holds an engine request, so `server.max_pending_requests` bounds them.
 //!
 //! Responses are kept per tenant: a response is found only by requests of the tenant that
 //! created it (an open server is one tenant), and another tenant's id reads as unknown, so
