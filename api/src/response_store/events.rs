@@ -31,7 +31,7 @@
 //! the only copy of the response those clients will get), and the events count against the
 //! byte bound meanwhile: each reader holds the log ([`ReaderHold`]), and a log released with
 //! readers (its task ended, no entry took it) stays among the counted logs, kept for its
-//! readers ([`Inner::for_readers`]), until the last one lets go. Such logs make room for a
+//! readers (`Inner::for_readers`), until the last one lets go. Such logs make room for a
 //! growing running log after the stored responses (oldest first; their readers end with
 //! `response_evicted`) and before its own oldest events, so they never pass the bound between
 //! them; a stored response does not evict them (the store may pass its bound by that one
