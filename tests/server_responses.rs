@@ -1434,3 +1434,97 @@ fn a_drain_ends_background_streams_with_the_drains_error() {
     };
     assert!(code.success(), "exit status {code:?}\n{}", s.log());
 }
+
+/// A running background response lies outside the store's bounds (`max_stored`,
+/// `max_stored_mb`) but holds an engine request, so `server.max_pending_requests` bounds the
+/// running ones as it bounds every request: with the seats taken, a background request (and a
+/// background stream) is refused with a foreground request's own 503 `overloaded` and its
+/// `Retry-After`, and the refusal stores nothing (its id is a 404, the store stays empty); a
+/// running background response takes a seat in turn, given back once it is cancelled.
+#[test]
+fn max_pending_requests_bounds_background_responses() {
+    const KEY: &str = "Bearer seats-key-0000000001";
+    let lines = "  max_pending_requests: 2\n  api_keys:\n    \
+                 - { key: seats-key-0000000001, tenant: acme }\n";
+    let s = Server::start_with("responses-seats", lines, "");
+    let post = |body: Value, id: &str| {
+        s.request(
+            "POST",
+            "/v1/responses",
+            Some(&body.to_string()),
+            &[("authorization", KEY), ("x-request-id", id)],
+        )
+        .expect("POST")
+    };
+    let get = |path: &str| {
+        s.request("GET", path, None, &[("authorization", KEY)])
+            .expect("GET")
+    };
+    let refusal = |r: &common::Response| {
+        let v: Value = serde_json::from_str(&r.body).expect("json");
+        (
+            r.status,
+            v["error"]["type"].clone(),
+            v["error"]["code"].clone(),
+            r.header("retry-after").map(str::to_owned),
+        )
+    };
+    let seats: Vec<_> = (0..2).map(|_| s.hold_stream(KEY, 400)).collect();
+    let foreground = post(json!({"input": "Hi", "max_output_tokens": 2}), "seat-fg");
+    let expected = refusal(&foreground);
+    assert_eq!(
+        (expected.0, &expected.2),
+        (503, &json!("overloaded")),
+        "{}",
+        foreground.body
+    );
+    for (id, stream) in [("seat-bg", false), ("seat-bg-stream", true)] {
+        let body = json!({"input": "Hi", "max_output_tokens": 2, "background": true,
+                          "stream": stream});
+        let r = post(body, id);
+        assert_eq!(refusal(&r), expected, "{id}: {}", r.body);
+    }
+    for id in ["seat-fg", "seat-bg", "seat-bg-stream"] {
+        let r = get(&format!("/v1/responses/resp_{id}"));
+        assert_eq!(r.status, 404, "{id}: {}", r.body);
+    }
+    assert_eq!(s.metric("switchyard:responses_stored"), Some(0.0));
+    for seat in seats {
+        seat.join().expect("held stream");
+    }
+
+    // A running background response holds a seat of its own.
+    let seat = s.hold_stream(KEY, 400);
+    let running = post(
+        json!({"input": "Count from 1 to 1000, one number per line.", "background": true,
+               "max_output_tokens": 2000}),
+        "seat-running",
+    );
+    assert_eq!(running.status, 200, "{}", running.body);
+    let r = post(json!({"input": "Hi", "max_output_tokens": 2}), "seat-fg2");
+    assert_eq!(refusal(&r), expected, "{}", r.body);
+    let r = s
+        .request(
+            "POST",
+            "/v1/responses/resp_seat-running/cancel",
+            None,
+            &[("authorization", KEY)],
+        )
+        .expect("cancel");
+    assert_eq!(r.status, 200, "{}", r.body);
+    // Its seat comes back once the engine has let its request go.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let r = post(json!({"input": "Hi", "max_output_tokens": 2}), "seat-fg3");
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(refusal(&r), expected, "{}", r.body);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cancelled response kept its seat"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    seat.join().expect("held stream");
+}

@@ -13,7 +13,7 @@
 //! recently used response leaves first when a bound would be passed; one response larger than
 //! the byte bound is not kept. Every operation is O(log n). A background response created with
 //! `stream` keeps its events with it ([`events`]): counted against the byte bound too, while it
-//! runs and once stored, and never journaled.
+//! runs, once stored, and (not kept) while live readers still read them; never journaled.
 //!
 //! A background response still running is never evicted: its `queued` entry stays out of the
 //! recency order until its end replaces it (or a cancel or DELETE ends it), so the bounds let
@@ -23,7 +23,10 @@
 //! its start (registered and stored `queued` at once), its end stored by its task (only while
 //! it is still registered), a cancel (unregistered, its events ended and the response stored
 //! `cancelled` at once) and a DELETE (unregistered and removed at once). So a DELETE answered
-//! 200 stays deleted, and a cancel answered 200 stays `cancelled`.
+//! 200 stays deleted, and a cancel answered 200 stays `cancelled`. A stream's look at a
+//! response takes its events under the same lock ([`ResponseStore::get_for_stream`]), so a
+//! DELETE is before it or after it, never between. Running responses are bounded apart from
+//! the store: each holds an engine request, so `server.max_pending_requests` bounds them.
 //!
 //! Responses are kept per tenant: a response is found only by requests of the tenant that
 //! created it (an open server is one tenant), and another tenant's id reads as unknown, so
@@ -55,7 +58,7 @@ use crate::metrics::{
 pub mod events;
 pub mod journal;
 
-pub use events::{EventLog, Gone, Read};
+pub use events::{EventLog, Gone, Read, ReaderHold};
 pub use journal::{ensure_directory, JournalError};
 
 /// Most turns in one conversation chained by `previous_response_id`.
@@ -233,8 +236,13 @@ struct Inner {
     bytes: usize,
     /// Of which the stored responses' events' (not journaled).
     event_bytes: usize,
-    /// What the events of running background responses count ([`events`]).
+    /// What the events of running background responses count ([`events`]), and those of
+    /// the logs kept for their readers.
     live_bytes: usize,
+    /// The logs of responses not kept (their end too large) still read by live readers,
+    /// counted in `live_bytes` until the last reader lets go, oldest first ([`events`]).
+    for_readers: BTreeMap<u64, Arc<EventLog>>,
+    next_for_readers: u64,
     /// The background responses running now.
     running: HashMap<Key, Running>,
 }
@@ -272,7 +280,7 @@ impl Inner {
             return false;
         };
         if let Some(log) = &e.stored.events {
-            events::close(&mut self.live_bytes, log, gone);
+            events::close(self, log, gone);
         }
         true
     }
@@ -290,12 +298,13 @@ fn entry_bytes(id: &str, tenant: &str, stored: &StoredResponse) -> usize {
         .saturating_add(id.len() + tenant.len())
 }
 
-/// Stops counting the events of an entry not kept, once they have ended. A log still running
-/// (the `queued` entry of a background response) is left to its task, which appends to it and
-/// releases it when it ends: ending it here would leave its stream without a single event.
-fn release_ended(inner: &mut Inner, events: Option<&EventLog>) {
+/// Releases the events of an entry not kept, once they have ended ([`events::release`]: they
+/// count on while readers hold them). A log still running (the `queued` entry of a background
+/// response) is left to its task, which appends to it and releases it when it ends: ending it
+/// here would leave its stream without a single event.
+fn release_ended(inner: &mut Inner, events: Option<&Arc<EventLog>>) {
     if let Some(log) = events.filter(|log| log.has_ended()) {
-        events::release(&mut inner.live_bytes, log);
+        events::release(inner, log);
     }
 }
 
@@ -499,30 +508,35 @@ impl ResponseStore {
         (now, now_ms): (Instant, u64),
     ) -> Kept {
         if !self.limits.enabled() {
-            release_ended(inner, stored.events.as_deref());
+            release_ended(inner, stored.events.as_ref());
             return Kept::Disabled;
         }
         if bytes > self.limits.max_bytes {
-            release_ended(inner, stored.events.as_deref());
+            release_ended(inner, stored.events.as_ref());
             return Kept::TooLarge;
         }
         let given = stored.events.clone();
-        let mut event_bytes = match &stored.events {
-            Some(log) => events::move_into_entry(&mut inner.live_bytes, log),
-            None => 0,
+        let ended = stored.events.as_deref().map_or(0, events::ended_bytes);
+        let event_bytes = if bytes.saturating_add(ended) > self.limits.max_bytes {
+            // Kept without its events, which have ended: released, their live readers read
+            // them to their end, counted meanwhile.
+            if let Some(log) = stored.events.take() {
+                events::release(inner, &log);
+            }
+            0
+        } else {
+            match &stored.events {
+                Some(log) => events::move_into_entry(&mut inner.live_bytes, log),
+                None => 0,
+            }
         };
-        if bytes.saturating_add(event_bytes) > self.limits.max_bytes {
-            // Kept without its events (`move_into_entry` stopped counting them as running).
-            stored.events = None;
-            event_bytes = 0;
-        }
         let bytes = bytes + event_bytes;
         let replaced = inner.take(&key);
         if let Some(log) = replaced.as_ref().and_then(|e| e.stored.events.as_ref()) {
             // The entry replaced by its own end (or cancel) hands its events on; another
             // response's events leave with it.
             if !given.as_ref().is_some_and(|g| Arc::ptr_eq(g, log)) {
-                events::close(&mut inner.live_bytes, log, Gone::Replaced);
+                events::close(inner, log, Gone::Replaced);
             }
         }
         self.expire(inner, now);
@@ -534,7 +548,9 @@ impl ResponseStore {
             } else {
                 "bytes"
             };
-            // Only finished responses leave: running ones are out of the order.
+            // Only finished responses leave: running ones are out of the order, and the logs
+            // counted for running responses or for their readers stay (they make room only
+            // for a growing log, [`ResponseStore::record_events`]).
             let Some((_, oldest)) = inner.order.first_key_value() else {
                 break;
             };
@@ -621,6 +637,37 @@ impl ResponseStore {
     }
 
     fn get_at(&self, tenant: &str, id: &str, now: Instant) -> Option<StoredResponse> {
+        self.get_with(tenant, id, now, |_, _| ())
+            .map(|(stored, ())| stored)
+    }
+
+    /// [`ResponseStore::get`] for a stream of the response's events
+    /// (`GET /v1/responses/{id}?stream=true`): the response and, where it keeps events, a
+    /// reader's hold on them and the sequence number of the oldest one kept, all taken under
+    /// the store's lock at once. So a DELETE (or any other end of the entry) comes either
+    /// before (`None`: a 404) or after (the stream's reader finds the events gone and ends
+    /// with the `error` event saying why), never between the look and the stream's start.
+    pub fn get_for_stream(
+        self: &Arc<Self>,
+        tenant: &str,
+        id: &str,
+    ) -> Option<(StoredResponse, Option<(u64, ReaderHold)>)> {
+        self.get_with(tenant, id, Instant::now(), |inner, stored| {
+            stored.events.as_ref().map(|log| {
+                let hold = self.hold_locked(inner, log);
+                (log.span().0, hold)
+            })
+        })
+    }
+
+    /// [`ResponseStore::get_at`], with what `with` reads of the response under the same lock.
+    fn get_with<R>(
+        &self,
+        tenant: &str,
+        id: &str,
+        now: Instant,
+        with: impl FnOnce(&mut Inner, &StoredResponse) -> R,
+    ) -> Option<(StoredResponse, R)> {
         let key = key(tenant, id);
         let mut inner = self.inner.lock();
         let entry = inner.entries.get(&key)?;
@@ -657,7 +704,8 @@ impl ResponseStore {
             );
             self.maybe_compact(&inner);
         }
-        Some(stored)
+        let also = with(&mut inner, &stored);
+        Some((stored, also))
     }
 
     /// Deletes the response `id` of `tenant`; whether there was one. A background response

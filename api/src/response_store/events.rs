@@ -24,9 +24,26 @@
 //! (deleted, evicted, expired, or replaced by another response of its name) its events are
 //! dropped at once, and each reader still reading them ends with an `error` event saying why
 //! ([`Gone`]), numbered as the event it would have read next. So no reader keeps events alive
-//! that the store no longer counts. (A response whose end is too large to keep with its
-//! events, or at all, is the exception: its readers, following it live, read its last events
-//! to their end, at most [`StoreLimits::max_event_bytes`] each.)
+//! that the store no longer counts.
+//!
+//! A response whose end is too large to keep with its events, or at all, leaves no entry to
+//! hold them; its streams following it live still read them to their end (the end event holds
+//! the only copy of the response those clients will get), and the events count against the
+//! byte bound meanwhile: each reader holds the log ([`ReaderHold`]), and a log released with
+//! readers (its task ended, no entry took it) stays among the counted logs, kept for its
+//! readers (`Inner::for_readers`), until the last one lets go. Such logs make room for a
+//! growing running log after the stored responses (oldest first; their readers end with
+//! `response_evicted`) and before its own oldest events, so they never pass the bound between
+//! them; a stored response does not evict them (the store may pass its bound by that one
+//! response, as it may for running logs). A log released without readers stops counting at
+//! once.
+//!
+//! One response's share of the bound, an eighth, is fixed rather than a setting: the byte
+//! bound is the one memory setting an operator sets (a share of their own would only let one
+//! response starve the others, or shrink every resume window with no gain in memory), the
+//! default's 32 MiB holds the events of well over 100,000 output tokens (an
+//! `output_text.delta` event is about 200 bytes), more than any context window served, and a
+//! longer resume window comes with a larger `max_stored_mb`.
 //!
 //! Logs are in memory only: the journal keeps the ended response, not its events, so after a
 //! restart a stored response can be read back but not streamed.
@@ -39,6 +56,43 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use super::{Inner, ResponseStore, StoreLimits, RESPONSES_EVICTED};
+
+/// A reader's hold on a log ([`ResponseStore::hold_events`]): while any reader holds a log
+/// that no task writes and no stored entry took (its response's end was too large to keep),
+/// its bytes still count against the store's byte bound. Dropping the last hold stops that.
+pub struct ReaderHold {
+    store: Arc<ResponseStore>,
+    log: Arc<EventLog>,
+}
+
+impl ReaderHold {
+    /// The log held.
+    pub fn log(&self) -> &Arc<EventLog> {
+        &self.log
+    }
+}
+
+impl std::fmt::Debug for ReaderHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ReaderHold").field(&self.log).finish()
+    }
+}
+
+impl Drop for ReaderHold {
+    fn drop(&mut self) {
+        let mut inner = self.store.inner.lock();
+        let mut state = self.log.lock();
+        state.readers = state.readers.saturating_sub(1);
+        if state.readers == 0 {
+            if let Some(key) = state.for_readers.take() {
+                inner.for_readers.remove(&key);
+                stop_counting(&mut inner.live_bytes, &mut state);
+            }
+        }
+        drop(state);
+        inner.publish();
+    }
+}
 
 /// One response's kept events (see the module docs).
 pub struct EventLog {
@@ -59,8 +113,15 @@ pub(super) struct LogState {
     /// Its response left the store, and its events with it.
     gone: Option<Gone>,
     /// Its bytes count among the store's running logs' ([`super::Inner::live_bytes`]): until
-    /// it moves into a stored entry or is released.
+    /// it moves into a stored entry, or is released with no reader left.
     live: bool,
+    /// Its bytes count in a stored entry's (it moved into one, [`move_into_entry`]).
+    in_entry: bool,
+    /// The readers holding it now ([`ReaderHold`]).
+    readers: usize,
+    /// Its key among the store's logs kept for their readers alone
+    /// ([`super::Inner::for_readers`]): released by its task, taken by no entry, and still read.
+    for_readers: Option<u64>,
 }
 
 impl LogState {
@@ -173,6 +234,11 @@ impl EventLog {
         (state.first, state.end())
     }
 
+    /// Why its response left the store, and its events with it, if it did.
+    pub fn gone(&self) -> Option<Gone> {
+        self.state.lock().gone
+    }
+
     /// Whether its last event is in.
     pub fn has_ended(&self) -> bool {
         self.state.lock().ended
@@ -208,33 +274,69 @@ pub(super) fn move_into_entry(live_bytes: &mut usize, log: &EventLog) -> usize {
     if !state.ended {
         return 0;
     }
-    if state.live {
-        *live_bytes -= state.bytes;
-        state.live = false;
-    }
+    stop_counting(live_bytes, &mut state);
+    state.in_entry = true;
     state.bytes
 }
 
-/// Stops counting `log` among the running logs, and ends it.
-pub(super) fn release(live_bytes: &mut usize, log: &EventLog) {
-    let mut state = log.lock();
+/// The bytes an ended log would bring into the entry that takes it (0 for a running one).
+pub(super) fn ended_bytes(log: &EventLog) -> usize {
+    let state = log.lock();
+    if state.ended {
+        state.bytes
+    } else {
+        0
+    }
+}
+
+fn stop_counting(live_bytes: &mut usize, state: &mut LogState) {
     if state.live {
         *live_bytes -= state.bytes;
         state.live = false;
     }
+}
+
+/// Ends `log`, which no task writes any more and no stored entry takes: with readers holding
+/// it, its bytes still count among the running logs' (kept for those readers, in
+/// [`Inner::for_readers`], until the last one lets go or the bound needs the room); without,
+/// they stop counting. A log in an entry, or closed, stays as it is.
+pub(super) fn release(inner: &mut Inner, log: &Arc<EventLog>) {
+    let mut state = log.lock();
     state.ended = true;
+    if !state.in_entry && state.gone.is_none() {
+        if state.readers > 0 {
+            keep_for_readers(inner, &mut state, log);
+        } else {
+            stop_counting(&mut inner.live_bytes, &mut state);
+        }
+    }
     drop(state);
     log.wake();
 }
 
+/// Counts `log` (ended, its readers holding it) among the logs kept for their readers.
+fn keep_for_readers(inner: &mut Inner, state: &mut LogState, log: &Arc<EventLog>) {
+    if state.for_readers.is_some() {
+        return;
+    }
+    if !state.live {
+        inner.live_bytes += state.bytes;
+        state.live = true;
+    }
+    let key = inner.next_for_readers;
+    inner.next_for_readers += 1;
+    inner.for_readers.insert(key, Arc::clone(log));
+    state.for_readers = Some(key);
+}
+
 /// Drops `log`'s events, its response having left the store (`gone` says how): its readers
 /// end with the `error` event that says so. A running log stops counting among the running
-/// logs (its task's later events are dropped).
-pub(super) fn close(live_bytes: &mut usize, log: &EventLog, gone: Gone) {
+/// logs (its task's later events are dropped), and one kept for its readers leaves them.
+pub(super) fn close(inner: &mut Inner, log: &EventLog, gone: Gone) {
     let mut state = log.lock();
-    if state.live {
-        *live_bytes -= state.bytes;
-        state.live = false;
+    stop_counting(&mut inner.live_bytes, &mut state);
+    if let Some(key) = state.for_readers.take() {
+        inner.for_readers.remove(&key);
     }
     state.frames = VecDeque::new();
     state.bytes = 0;
@@ -242,6 +344,17 @@ pub(super) fn close(live_bytes: &mut usize, log: &EventLog, gone: Gone) {
     state.gone = Some(gone);
     drop(state);
     log.wake();
+}
+
+/// Closes the oldest log kept for its readers alone (they end with `response_evicted`), to
+/// make room once no stored response is left to evict: whether there was one. It is never a
+/// log the caller has locked to append to: a log kept for readers has ended.
+pub(super) fn evict_one_for_readers(inner: &mut Inner) -> bool {
+    let Some((_, log)) = inner.for_readers.pop_first() else {
+        return false;
+    };
+    close(inner, &log, Gone::Evicted);
+    true
 }
 
 impl ResponseStore {
@@ -309,6 +422,9 @@ impl ResponseStore {
                 inner.remove(&oldest, Gone::Evicted);
                 self.journal_delete(&oldest);
                 metrics::counter!(RESPONSES_EVICTED, "reason" => "bytes").increment(1);
+            } else if evict_one_for_readers(inner) {
+                // A response not kept whose readers still read it went (it has ended, so it
+                // is another log than this one).
             } else if state.frames.len() > 1 {
                 let freed = state.pop();
                 inner.live_bytes -= freed;
@@ -319,12 +435,47 @@ impl ResponseStore {
         state.ended = last;
     }
 
-    /// Stops counting `log` among the running logs (its task ended and no stored entry took
-    /// it: the response was deleted, or its end was too large to keep).
-    pub fn release_events(&self, log: &EventLog) {
+    /// Ends `log`, whose task has ended: a log no stored entry took (the response was
+    /// deleted, or its end was too large to keep) stops counting among the running logs once
+    /// no reader holds it ([`release`]).
+    pub fn release_events(&self, log: &Arc<EventLog>) {
         let mut inner = self.inner.lock();
-        release(&mut inner.live_bytes, log);
+        release(&mut inner, log);
         inner.publish();
+    }
+
+    /// A reader's hold on `log`, which a running task writes or a stored entry holds (the
+    /// answer to `POST` with `background` and `stream`; [`ResponseStore::get_for_stream`]
+    /// takes one under its look): while held, the log counts against the byte bound even once
+    /// neither holds it.
+    pub fn hold_events(self: &Arc<Self>, log: &Arc<EventLog>) -> ReaderHold {
+        let mut inner = self.inner.lock();
+        self.hold_locked(&mut inner, log)
+    }
+
+    /// [`ResponseStore::hold_events`] under the store's lock.
+    pub(super) fn hold_locked(
+        self: &Arc<Self>,
+        inner: &mut Inner,
+        log: &Arc<EventLog>,
+    ) -> ReaderHold {
+        let mut state = log.lock();
+        state.readers += 1;
+        if state.ended && !state.live && !state.in_entry && state.gone.is_none() {
+            // Released before this reader came: counted again while it reads.
+            keep_for_readers(inner, &mut state, log);
+            drop(state);
+            inner.publish();
+        }
+        ReaderHold {
+            store: Arc::clone(self),
+            log: Arc::clone(log),
+        }
+    }
+
+    /// Logs kept for their readers alone now (see [`release`]).
+    pub fn logs_kept_for_readers(&self) -> usize {
+        self.inner.lock().for_readers.len()
     }
 
     /// Bytes the events of running background responses count now.

@@ -402,3 +402,56 @@ fn a_long_chain_drops_without_deep_recursion() {
     }
     drop(t);
 }
+
+/// A resumed stream (`GET ?stream=true`) racing a DELETE has one outcome per order, for a
+/// running response and an ended one: the DELETE first, the look finds nothing (a 404); the
+/// look first, it holds the events, and its reader finds them deleted from any point (the
+/// stream ends with `response_deleted`). The look takes the response and its events' span
+/// under one lock, so nothing lands between them.
+#[test]
+fn a_stream_racing_a_delete_is_a_404_or_ends_deleted() {
+    let s = Arc::new(store(10, 1 << 20, None));
+    let started = |id: &str, ended: bool| {
+        let log = EventLog::new();
+        let (abort, _r) = AbortHandle::new_pair();
+        let (run, _) = s
+            .start_background("t", id, abort, queued(id, Some(Arc::clone(&log))))
+            .expect("registered");
+        s.record_events(&log, vec![Bytes::from("e0"), Bytes::from("e1")], false);
+        if ended {
+            let done = end(id, "completed", Some(Arc::clone(&log)));
+            let last = vec![Bytes::from("completed")];
+            assert_eq!(
+                s.finish_background("t", id, run, last, done),
+                Some(Kept::Yes)
+            );
+        }
+    };
+    for ended in [false, true] {
+        // The DELETE first.
+        started("r1", ended);
+        assert!(s.remove("t", "r1"));
+        assert!(s.get_for_stream("t", "r1").is_none());
+        // The look first.
+        started("r2", ended);
+        let (stored, events) = s.get_for_stream("t", "r2").expect("found");
+        assert_eq!(stored.response["id"], "r2");
+        let (first, hold) = events.expect("its events");
+        assert_eq!(first, 0);
+        assert!(s.remove("t", "r2"));
+        for next in 0..5 {
+            assert_eq!(
+                hold.log().read(next, 10, usize::MAX),
+                Read::Gone(Gone::Deleted),
+                "ended {ended}, from {next}"
+            );
+        }
+        assert_eq!(hold.log().gone(), Some(Gone::Deleted));
+        drop(hold);
+        assert_eq!((s.len(), s.live_event_bytes()), (0, 0));
+    }
+    // A response without events is found with none.
+    keep(&s, "plain", "t");
+    let (_, events) = s.get_for_stream("t", "plain").expect("found");
+    assert!(events.is_none());
+}

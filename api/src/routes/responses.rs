@@ -260,7 +260,9 @@ fn run_in_background(
         builder: Builder::new(template.clone(), stream),
         keep: None,
     };
-    let log = events.clone();
+    // The answer's reader holds the log from here, before the task can end it.
+    let answer = events.as_ref().map(|log| store.hold_events(log));
+    let log = events;
     let id = template.id.clone();
     actix_web::rt::spawn(async move {
         // However the task ends, its events end and stop counting as a running response's.
@@ -309,8 +311,8 @@ fn run_in_background(
         // Until here: a drain waits for the end to be stored and its last events written.
         drop(in_flight);
     });
-    match events {
-        Some(log) => replay::stream_events(log, 0),
+    match answer {
+        Some(hold) => replay::stream_events(hold, 0),
         None => HttpResponse::Ok().json(queued),
     }
 }
@@ -420,10 +422,17 @@ pub(crate) async fn retrieve_response(
     req: HttpRequest,
 ) -> Result<HttpResponse, ApiError> {
     let query = replay::RetrieveQuery::parse(req.query_string())?;
-    let stored = find(&state, &principal, &id)?;
     if query.stream {
-        return replay::stream_stored(&stored, query.starting_after, state.responses.limits());
+        // The response and its events are looked at once: a DELETE racing this GET is either
+        // before (a 404) or after (the stream ends with `response_deleted`).
+        let (stored, events) = state
+            .responses
+            .get_for_stream(&principal.tenant, &id)
+            .ok_or_else(|| ApiError::ResponseNotFound(shown(&id)))?;
+        let limits = state.responses.limits();
+        return replay::stream_stored(&stored, events, query.starting_after, limits);
     }
+    let stored = find(&state, &principal, &id)?;
     Ok(HttpResponse::Ok().json(stored.response))
 }
 

@@ -384,3 +384,131 @@ fn an_entry_with_running_events_is_not_evicted_by_them() {
     assert!(s.get("t", "a").is_none(), "a finished one left instead");
     assert_eq!(log.span(), (0, 100));
 }
+
+/// Regression (a response not kept left uncounted events to its readers): a background
+/// response whose end was too large to keep with its events released them at once, and the
+/// streams following it live read them to their end uncounted (up to an eighth of the bound
+/// each). Now they count against the bound for as long as a reader holds them, and stop
+/// counting when the last one lets go; without a reader they stop at once.
+#[test]
+fn the_events_of_a_response_not_kept_count_while_readers_hold_them() {
+    let s = Arc::new(store(8000));
+    let log = EventLog::new();
+    let (abort, _r) = futures_util::future::AbortHandle::new_pair();
+    let (run, _) = s
+        .start_background("t", "r", abort, stored("r", "queued", &log))
+        .expect("registered");
+    // Two readers following it live (the POST's answer and a resume).
+    let readers = [s.hold_events(&log), s.hold_events(&log)];
+    s.record_events(&log, events(0..50, 10), false);
+    assert_eq!(s.live_event_bytes(), 500);
+    // Its end fits alone, not with its 510 bytes of events: kept without them.
+    let end = StoredResponse {
+        response: json!({"id": "r", "status": "completed", "pad": "p".repeat(7500)}),
+        turn: turn(),
+        events: Some(Arc::clone(&log)),
+    };
+    let last = events(50..51, 10);
+    assert_eq!(
+        s.finish_background("t", "r", run, last, end),
+        Some(Kept::Yes)
+    );
+    assert!(s.get("t", "r").expect("kept").events.is_none());
+    s.release_events(&log);
+    assert_eq!(
+        (s.live_event_bytes(), s.logs_kept_for_readers()),
+        (510, 1),
+        "counted while read"
+    );
+    // The readers read them to their end.
+    for reader in &readers {
+        assert_eq!(
+            read_all(reader.log(), 0, 7),
+            (events(0..51, 10), Read::Ended)
+        );
+    }
+    let [first, second] = readers;
+    drop(first);
+    assert_eq!(s.live_event_bytes(), 510, "one reader still holds them");
+    drop(second);
+    assert_eq!((s.live_event_bytes(), s.logs_kept_for_readers()), (0, 0));
+
+    // Without a reader, a response too large to keep at all stops counting at its end.
+    let log = EventLog::new();
+    let pad = "p".repeat(9000);
+    let big = |status: &str| StoredResponse {
+        response: json!({"id": "big", "status": status, "pad": pad}),
+        turn: turn(),
+        events: Some(Arc::clone(&log)),
+    };
+    let (abort, _r) = futures_util::future::AbortHandle::new_pair();
+    let (run, kept) = s
+        .start_background("t", "big", abort, big("queued"))
+        .expect("registered");
+    assert_eq!(kept, Kept::TooLarge);
+    s.record_events(&log, events(0..5, 10), false);
+    let reader = s.hold_events(&log);
+    assert_eq!(
+        s.finish_background("t", "big", run, events(5..6, 10), big("completed")),
+        Some(Kept::TooLarge)
+    );
+    s.release_events(&log);
+    assert_eq!(s.live_event_bytes(), 60, "its reader holds them");
+    assert_eq!(
+        read_all(reader.log(), 3, 10),
+        (events(3..6, 10), Read::Ended)
+    );
+    drop(reader);
+    assert_eq!((s.live_event_bytes(), s.logs_kept_for_readers()), (0, 0));
+    assert!(s.get("t", "big").is_none());
+}
+
+/// The events kept for readers alone make room for a growing running log once no stored
+/// response is left to go, oldest first (their readers end with `response_evicted`), before
+/// the running log drops its own oldest events: what readers hold never passes the bound.
+/// A stored response does not evict them (the store may pass its bound by that response, as
+/// it may for running logs).
+#[test]
+fn events_kept_for_readers_make_room_for_running_responses() {
+    let s = Arc::new(store(8000));
+    // Eight logs of 1000 bytes (the most one keeps), each still read: the whole bound.
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let log = EventLog::new();
+        held.push(s.hold_events(&log));
+        s.record_events(&log, events(0..100, 10), true);
+        s.release_events(&log);
+    }
+    assert_eq!((s.live_event_bytes(), s.logs_kept_for_readers()), (8000, 8));
+    assert_eq!(
+        s.insert("a", "t", json!({"id": "a", "pad": "p".repeat(500)}), turn()),
+        Kept::Yes
+    );
+    assert_eq!(
+        s.logs_kept_for_readers(),
+        8,
+        "a stored response evicts none"
+    );
+    let running = EventLog::new();
+    // 500 bytes: "a" leaves first, then the oldest log kept for readers.
+    s.record_events(&running, events(0..50, 10), false);
+    assert!(s.get("t", "a").is_none());
+    assert_eq!(
+        held[0].log().read(0, 10, usize::MAX),
+        Read::Gone(Gone::Evicted)
+    );
+    for kept in &held[1..] {
+        assert!(matches!(
+            kept.log().read(0, 10, usize::MAX),
+            Read::Frames(..)
+        ));
+    }
+    assert_eq!(running.span(), (0, 50), "nothing of its own dropped");
+    assert_eq!((s.live_event_bytes(), s.logs_kept_for_readers()), (7500, 7));
+    assert!(s.bytes() + s.live_event_bytes() <= 8000);
+    // Their readers gone, only the running log counts.
+    held.clear();
+    assert_eq!(s.live_event_bytes(), 500);
+    s.release_events(&running);
+    assert_eq!(s.live_event_bytes(), 0);
+}

@@ -15,7 +15,6 @@
 //! responses: with the `error` event of a response cut at the drain timeout.
 
 use std::convert::Infallible;
-use std::sync::Arc;
 
 use actix_web::http::header;
 use actix_web::{web, HttpResponse};
@@ -23,7 +22,7 @@ use bytes::{Bytes, BytesMut};
 use serde_json::json;
 
 use crate::error::ApiError;
-use crate::response_store::{EventLog, Gone, Read, StoreLimits, StoredResponse};
+use crate::response_store::{Gone, Read, ReaderHold, StoreLimits, StoredResponse};
 use crate::sse::{event_frame, HEARTBEAT, HEARTBEAT_FRAME};
 
 /// Most events one chunk of a stream carries.
@@ -91,9 +90,13 @@ impl RetrieveQuery {
 /// (all without it), or the 400 of a response whose events cannot be streamed: not a
 /// background response (as OpenAI refuses it), one whose events are not kept (created without
 /// `stream`, or read back from the journal after a restart), or a resume from before the
-/// oldest event kept.
+/// oldest event kept. `events` is what [`crate::response_store::ResponseStore::get_for_stream`]
+/// found with the response: a hold on its events and the oldest one kept, as they were when
+/// it was looked up, so that a DELETE coming after the look ends the stream with
+/// `response_deleted` rather than turning it into a 400.
 pub(super) fn stream_stored(
     stored: &StoredResponse,
+    events: Option<(u64, ReaderHold)>,
     starting_after: Option<u64>,
     limits: StoreLimits,
 ) -> Result<HttpResponse, ApiError> {
@@ -105,7 +108,7 @@ pub(super) fn stream_stored(
              response object",
         ));
     }
-    let Some(log) = &stored.events else {
+    let Some((first, hold)) = events else {
         return Err(ApiError::invalid(
             "stream",
             "this response's events are not kept: only those of a background response created \
@@ -114,8 +117,9 @@ pub(super) fn stream_stored(
         ));
     };
     let next = starting_after.map_or(0, |n| n.saturating_add(1));
-    let (first, _) = log.span();
-    if next < first {
+    // A resume from before the oldest kept event whose response has left the store since the
+    // look (deleted, evicted) streams too: its reader says why at once, as any reader of it.
+    if next < first && hold.log().gone().is_none() {
         return Err(ApiError::invalid(
             "starting_after",
             format!(
@@ -127,12 +131,13 @@ pub(super) fn stream_stored(
             ),
         ));
     }
-    Ok(stream_events(Arc::clone(log), next))
+    Ok(stream_events(hold, next))
 }
 
 /// A reader's place in a log.
 struct Reader {
-    log: Arc<EventLog>,
+    /// The log, held (its bytes count while the reader reads them).
+    log: ReaderHold,
     changes: tokio::sync::watch::Receiver<()>,
     /// The sequence number of the next event to send.
     next: u64,
@@ -140,11 +145,11 @@ struct Reader {
     done: bool,
 }
 
-/// Streams `log`'s events from sequence number `next` on as SSE, then the new ones as they
-/// come, until it has ended.
-pub(super) fn stream_events(log: Arc<EventLog>, next: u64) -> HttpResponse {
+/// Streams the held log's events from sequence number `next` on as SSE, then the new ones as
+/// they come, until it has ended; the hold is let go when the stream ends or is dropped.
+pub(super) fn stream_events(log: ReaderHold, next: u64) -> HttpResponse {
     let reader = Reader {
-        changes: log.subscribe(),
+        changes: log.log().subscribe(),
         log,
         next,
         done: false,
@@ -156,7 +161,7 @@ pub(super) fn stream_events(log: Arc<EventLog>, next: u64) -> HttpResponse {
         loop {
             // Seen before reading: a change after the read wakes the wait below.
             r.changes.borrow_and_update();
-            match r.log.read(r.next, MAX_CHUNK_EVENTS, MAX_CHUNK_BYTES) {
+            match r.log.log().read(r.next, MAX_CHUNK_EVENTS, MAX_CHUNK_BYTES) {
                 Read::Frames(frames, after) => {
                     r.next = after;
                     return Some((Ok::<_, Infallible>(join(frames)), r));
@@ -259,6 +264,8 @@ fn cut_off_event(missed: u64, first: u64) -> Bytes {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
 
     fn parsed(query: &str) -> Result<RetrieveQuery, Option<String>> {
@@ -337,6 +344,95 @@ mod tests {
         assert_eq!(v["code"], "response_cancelled");
         assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()));
         assert!(v["param"].is_null());
+    }
+
+    /// The whole body of a stream whose events are all there (it never waits).
+    fn body_now(answer: HttpResponse) -> String {
+        let body =
+            futures_util::FutureExt::now_or_never(actix_web::body::to_bytes(answer.into_body()))
+                .expect("the stream never waits")
+                .unwrap_or_else(|_| panic!("the stream failed"));
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    /// Regression (a resume racing a DELETE answered a 400): a `GET ?stream=true` that found
+    /// the response, then saw its events span apart, could answer a 400 "no longer kept"
+    /// where a DELETE came in between. Now, whatever `starting_after` (from the start, past
+    /// the end, or before the oldest kept event), a DELETE after the look gives a stream that
+    /// ends with `response_deleted`; one before it is a 404 (`get_for_stream` finds nothing).
+    #[test]
+    fn a_delete_after_the_look_ends_the_stream_deleted() {
+        use crate::response_store::{EventLog, ResponseStore, Turn};
+        let limits = StoreLimits {
+            max_bytes: 8000,
+            ..StoreLimits::default()
+        };
+        for starting_after in [None, Some(0), Some(1000), Some(2)] {
+            let store = Arc::new(ResponseStore::new(limits));
+            let log = EventLog::new();
+            let (abort, _r) = futures_util::future::AbortHandle::new_pair();
+            let queued = StoredResponse {
+                response: json!({"id": "r", "status": "queued", "background": true}),
+                turn: Arc::new(Turn::new(Vec::new(), Vec::new(), None)),
+                events: Some(Arc::clone(&log)),
+            };
+            store
+                .start_background("t", "r", abort, queued)
+                .expect("registered");
+            // 200 events of 10 bytes: one response keeps its last 100 (an eighth of 8000).
+            let frames = (0..200)
+                .map(|_| Bytes::from_static(b"0123456789"))
+                .collect();
+            store.record_events(&log, frames, false);
+            assert_eq!(log.span(), (100, 200));
+            let (stored, events) = store.get_for_stream("t", "r").expect("found");
+            assert!(store.remove("t", "r"));
+            let answer = stream_stored(&stored, events, starting_after, limits)
+                .unwrap_or_else(|e| panic!("{starting_after:?}: {e:?}"));
+            let body = body_now(answer);
+            let next = starting_after.map_or(0, |n| n + 1);
+            let data = error_data(body.as_bytes());
+            assert_eq!(
+                (data["code"].as_str(), data["sequence_number"].as_u64()),
+                (Some("response_deleted"), Some(next)),
+                "{starting_after:?}: {body}"
+            );
+            assert!(store.get_for_stream("t", "r").is_none(), "a 404 now");
+        }
+    }
+
+    /// Without a DELETE, a resume before the oldest kept event is still the 400 that says
+    /// where the kept ones start.
+    #[test]
+    fn a_resume_before_the_oldest_kept_event_is_a_400() {
+        use crate::response_store::{EventLog, ResponseStore, Turn};
+        let limits = StoreLimits {
+            max_bytes: 8000,
+            ..StoreLimits::default()
+        };
+        let store = Arc::new(ResponseStore::new(limits));
+        let log = EventLog::new();
+        let (abort, _r) = futures_util::future::AbortHandle::new_pair();
+        let queued = StoredResponse {
+            response: json!({"id": "r", "status": "queued", "background": true}),
+            turn: Arc::new(Turn::new(Vec::new(), Vec::new(), None)),
+            events: Some(Arc::clone(&log)),
+        };
+        store
+            .start_background("t", "r", abort, queued)
+            .expect("registered");
+        let frames = (0..200)
+            .map(|_| Bytes::from_static(b"0123456789"))
+            .collect();
+        store.record_events(&log, frames, false);
+        let (stored, events) = store.get_for_stream("t", "r").expect("found");
+        match stream_stored(&stored, events, Some(2), limits) {
+            Err(ApiError::InvalidRequest { param, message, .. }) => {
+                assert_eq!(param.as_deref(), Some("starting_after"));
+                assert!(message.contains("before sequence number 100"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     /// A reader whose response left the store is told why, at the number it would have read.
