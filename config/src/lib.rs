@@ -728,10 +728,11 @@ mod tests {
             "lora:\n  max_cpu_loras: 2\ntiers:\n  a: { max_cpu_loras_per_tenant: 3 }\n",
             &[],
         );
-        assert!(
-            e.contains("tiers.a.max_cpu_loras_per_tenant")
-                && e.contains("3 exceeds lora.max_cpu_loras (2)"),
-            "{e}"
+        // The whole sentence, as one line of words (its source once held a run of spaces).
+        assert_eq!(
+            e,
+            "t.yaml:4: tiers.a.max_cpu_loras_per_tenant: 3 exceeds lora.max_cpu_loras (2), the \
+             adapters kept in memory for every tenant together"
         );
         let e = error(
             "tiers:\n  a: { max_cpu_loras_per_tenant: 2 }\n",

@@ -1332,7 +1332,8 @@ impl Config {
                     return Err((
                         format!("tiers.{name}.max_cpu_loras_per_tenant"),
                         format!(
-                            "{n} exceeds lora.max_cpu_loras ({}), the adapters kept in memory                              for every tenant together",
+                            "{n} exceeds lora.max_cpu_loras ({}), the adapters kept in memory \
+                             for every tenant together",
                             self.lora.max_cpu_loras
                         ),
                     ));
