@@ -140,13 +140,13 @@ pub struct SimulateArgs {
     #[arg(long, default_value = "out/sim")]
     pub out: PathBuf,
     /// Random seed for synthetic arrivals and tier assignment.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
     /// Arrival rate in requests/s (a rescaled trace; ShareGPT needs this or --load).
     #[arg(long, allow_negative_numbers = true)]
     pub rate: Option<f64>,
     /// Replay only the first N requests.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub limit: Option<usize>,
     /// Service tiers for a --trace: the `tiers` section of FILE (a server configuration, a
     /// simulation spec, or a file with only that section). A trace naming a tier that is not
@@ -185,7 +185,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub top_k: u32,
     /// Seed for reproducible sampling.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub seed: Option<u64>,
     /// Backend: auto, cpu or cuda.
     #[arg(long, default_value = "auto")]
@@ -202,7 +202,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: switchyard_config::KvCacheDtype,
     /// CPU threads (0 = all cores; at most 1024, as model.threads).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub threads: usize,
     /// Print JSON lines instead of text.
     #[arg(long)]
@@ -232,13 +232,13 @@ pub struct GenerateArgs {
 pub struct SpeculativeArgs {
     /// Speculative decoding by prompt lookup: most draft tokens per sequence and step, taken
     /// from what followed an earlier occurrence of the sequence's last tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub num_speculative_tokens: usize,
     /// Shortest suffix that must match an earlier position (speculative decoding).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true)]
     pub prompt_lookup_min: usize,
     /// Longest suffix matched (speculative decoding).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
     pub prompt_lookup_max: usize,
 }
 
@@ -311,7 +311,7 @@ pub struct ServeBenchArgs {
     /// with --endpoint embeddings; default 1, one list of ids). --num-prompts counts prompts,
     /// not requests: 256 prompts in batches of 16 are 16 requests, the last one smaller
     /// where the batch does not divide them; --num-warmups and --request-rate count requests.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub embedding_batch: Option<usize>,
     /// Dataset of prompt/output lengths.
     #[arg(long, value_enum, default_value = "random")]
@@ -325,10 +325,10 @@ pub struct ServeBenchArgs {
     #[command(flatten)]
     pub mooncake: MooncakeSlice,
     /// Prompt tokens (random dataset; 1..=1048576).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
     pub input_len: usize,
     /// Output tokens (random dataset; 1..=1048576).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
     pub output_len: usize,
     /// Longest prompt taken from a dataset (longer ones are truncated; 1..=1048576).
     #[arg(long, default_value_t = 1536, allow_negative_numbers = true)]
@@ -338,7 +338,7 @@ pub struct ServeBenchArgs {
     pub max_output_len: usize,
     /// Number of prompts: the requests of a completions run, the inputs of an embeddings run
     /// (see --embedding-batch; 1..=1000000).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
     pub num_prompts: usize,
     /// Poisson arrival rate in requests/s (> 0); without it, or with `inf`, every request is
     /// sent at once, as in vLLM. Arrivals as vLLM's: each request's gap before it is drawn
@@ -379,7 +379,7 @@ pub struct ServeBenchArgs {
     /// Most requests in flight at once (1..=16384). Without it requests still start when due,
     /// as in vLLM, but at most 1024 are in flight (one thread each): a request due while all
     /// 1024 are busy waits for the first to finish.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub max_concurrency: Option<usize>,
     /// Divide the trace's (or mooncake's) arrival times by this factor (2 = replay twice as
     /// fast; 1e-6 to 1e6).
@@ -390,18 +390,23 @@ pub struct ServeBenchArgs {
     pub ignore_eos: bool,
     /// Random prompt token ids are drawn from [offset, offset + range); offset + range must
     /// fit in a u32.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, allow_negative_numbers = true)]
     pub token_offset: u32,
     /// See --token-offset (at least 1).
-    #[arg(long, default_value_t = 20000, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(
+        long,
+        default_value_t = 20000,
+        value_parser = clap::value_parser!(u32).range(1..),
+        allow_negative_numbers = true
+    )]
     pub token_range: u32,
     /// Seed for prompts and arrivals.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
     /// Requests sent before the timed run and left out of the results (as vLLM's
     /// --num-warmups; 0..=10000). A single test request always goes first, and a failure
     /// there stops the run with the server's reason.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub num_warmups: usize,
     /// Write the result as JSON to this file.
     #[arg(long)]
@@ -514,30 +519,30 @@ pub struct ThroughputArgs {
     /// cache.kv_offloading_ahead: false).
     #[arg(long)]
     pub kv_offloading_on_eviction: bool,
-    /// Prompt length in tokens (random dataset).
-    #[arg(long, default_value_t = 128)]
+    /// Prompt length in tokens (random dataset; 1..=1048576).
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
     pub input_len: usize,
-    /// Output length in tokens (random dataset).
-    #[arg(long, default_value_t = 128)]
+    /// Output length in tokens (random dataset; 1..=1048576).
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
     pub output_len: usize,
     /// Number of prompts.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
     pub num_prompts: usize,
     /// Most sequences per step.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true)]
     pub max_num_seqs: usize,
     /// Most tokens per step.
-    #[arg(long, default_value_t = 8192)]
+    #[arg(long, default_value_t = 8192, allow_negative_numbers = true)]
     pub max_num_batched_tokens: usize,
     /// CPU threads (0 = all cores; at most 1024, as model.threads).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub threads: usize,
     /// Decode latency at a fixed batch: run exactly this many prompts together and report the
     /// median step time once all have their first token (batch-1 ms/token with 1).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub decode_batch: Option<usize>,
     /// Fraction of GPU memory the CUDA backend may hold (weights, buffers, KV cache).
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
     pub gpu_memory_utilization: f64,
     /// Weight quantization at load: none, or fp8 (CUDA backend, sm_89 or newer: e4m3 layers
     /// with a scale per output channel).
@@ -556,7 +561,7 @@ pub struct ThroughputArgs {
     #[arg(long, default_value = "auto")]
     pub async_scheduling: switchyard_config::AsyncSchedulingMode,
     /// Seed for the random prompts.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
     /// Run every prompt with this LoRA adapter (a PEFT directory), to measure what adapters
     /// cost.
@@ -608,16 +613,16 @@ pub struct CalibrateArgs {
     #[arg(long)]
     pub dummy: Option<String>,
     /// Longest context measured, in tokens (capped by the model's context and the KV cache).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, allow_negative_numbers = true)]
     pub max_context: usize,
     /// Most tokens of context one decode measurement holds over all its sequences (its
     /// prompts are prefilled first, so this bounds the time it takes). Default: 8192 on the
     /// CPU, 262144 on a GPU, at most half the KV cache.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub max_kv_tokens: Option<usize>,
     /// Times the whole sweep runs; each distinct step's time is the median over the runs
     /// (the first run pays one-off costs such as CUDA graph captures).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true)]
     pub repeats: usize,
     /// Where to write the calibration file (YAML).
     #[arg(long, short, default_value = "calibration.yaml")]
@@ -633,7 +638,7 @@ pub struct CalibrateArgs {
     ])]
     pub from_samples: Option<PathBuf>,
     /// Seed of the random prompts.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
     /// A PEFT LoRA adapter directory for the model calibrated: the sweep adds steps whose
     /// every sequence runs it, loaded as 1, 2 and 4 distinct adapters, and the fit prices
@@ -669,4 +674,87 @@ pub enum ConfigCommand {
         #[arg(long = "set", value_name = "KEY=VALUE")]
         overrides: Vec<String>,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::{CommandFactory, Parser};
+    use std::any::TypeId;
+
+    /// Whether `arg` takes a number: its value parser yields one of Rust's integer or float
+    /// types.
+    fn takes_a_number(arg: &clap::Arg) -> bool {
+        let id = arg.get_value_parser().type_id();
+        [
+            TypeId::of::<u8>(),
+            TypeId::of::<u16>(),
+            TypeId::of::<u32>(),
+            TypeId::of::<u64>(),
+            TypeId::of::<usize>(),
+            TypeId::of::<i32>(),
+            TypeId::of::<i64>(),
+            TypeId::of::<f32>(),
+            TypeId::of::<f64>(),
+        ]
+        .into_iter()
+        .any(|t| id == t)
+    }
+
+    /// Every numeric flag of every subcommand (`--input-len`, `--num-prompts`, `--seed`, ...)
+    /// with each subcommand's path, collected by walking the command tree, so that a flag added
+    /// later is covered too.
+    fn numeric_flags(
+        cmd: &clap::Command,
+        path: &mut Vec<String>,
+        out: &mut Vec<(Vec<String>, String)>,
+    ) {
+        for arg in cmd.get_arguments() {
+            if let Some(long) = arg.get_long() {
+                if arg.get_action().takes_values() && takes_a_number(arg) {
+                    out.push((path.clone(), format!("--{long}")));
+                }
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            path.push(sub.get_name().to_string());
+            numeric_flags(sub, path, out);
+            path.pop();
+        }
+    }
+
+    /// A negative number given to a numeric flag is refused naming the flag and the value, as
+    /// `generate --max-tokens -3` is, never as clap's "unexpected argument '-3' found" that names
+    /// no flag (clap reads `-3` as an unknown short option unless the flag allows negative
+    /// numbers).
+    #[test]
+    fn a_negative_number_for_any_numeric_flag_names_the_flag() {
+        let mut flags = Vec::new();
+        numeric_flags(&Cli::command(), &mut Vec::new(), &mut flags);
+        // The walk finds the flags it is meant to find.
+        for (path, flag) in [
+            ("bench throughput", "--input-len"),
+            ("bench serve", "--num-prompts"),
+            ("generate", "--max-tokens"),
+            ("simulate", "--seed"),
+            ("calibrate", "--repeats"),
+        ] {
+            assert!(
+                flags.iter().any(|(p, f)| p.join(" ") == path && f == flag),
+                "{path} {flag} not found among {flags:?}"
+            );
+        }
+        let unnamed: Vec<String> = flags
+            .iter()
+            .filter_map(|(path, flag)| {
+                let argv = std::iter::once("switchyard")
+                    .chain(path.iter().map(String::as_str))
+                    .chain([flag.as_str(), "-3"]);
+                let e = Cli::try_parse_from(argv).err()?.to_string();
+                (!e.contains(&format!("for '{flag}")) && e.contains("'-3'"))
+                    .then(|| format!("{} {flag}: {e}", path.join(" ")))
+            })
+            .collect();
+        assert!(unnamed.is_empty(), "{}", unnamed.join("\n"));
+    }
 }

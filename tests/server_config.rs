@@ -146,6 +146,34 @@ fn an_api_keys_file_without_keys_is_refused_before_the_model_loads() {
     );
 }
 
+/// A `lora.adapters` entry whose files `config check` passes but whose load fails (a rank
+/// above `lora.max_lora_rank`, read once the model has loaded) is refused naming the file and
+/// line of its path, as the errors found before the load do; it named the adapter alone.
+#[test]
+fn an_adapter_that_does_not_load_names_its_entry_s_line() {
+    let extra = format!(
+        "lora:\n  enabled: true\n  max_lora_rank: 2\n  adapters:\n    - name: wide\n      path: {}\n",
+        lora_fixture_dir()
+    );
+    let line = config_yaml("", "", &extra)
+        .lines()
+        .position(|l| l.trim_start().starts_with("path: ") && l.contains("smollm2-r4"))
+        .expect("the adapter's path")
+        + 1;
+    let log = serve_refuses("adapter-rank", "", "", &extra);
+    let want = format!(":{line}: lora.adapters[0].path: LoRA adapter `wide`: ");
+    let error = log
+        .lines()
+        .find(|l| l.starts_with("error: "))
+        .unwrap_or_else(|| panic!("no error line:\n{log}"));
+    assert!(
+        error.contains("config.yaml")
+            && error.contains(&want)
+            && error.contains("rank 4 is outside 1..=2"),
+        "{error}"
+    );
+}
+
 #[test]
 fn a_variable_that_is_not_utf8_is_ignored_and_an_open_api_is_logged() {
     let s = start(

@@ -25,6 +25,7 @@ mod schema;
 mod scratch;
 #[path = "../../support/short_number.rs"]
 mod short_number;
+mod tier_name;
 mod tls;
 
 pub use cors::{CorsSection, MAX_CORS_ENTRIES, MAX_CORS_ENTRY_BYTES};
@@ -34,6 +35,7 @@ pub use log_filter::check_log_filter;
 pub use nearest_name::with_did_you_mean;
 pub use overrides::{apply_override, env_overrides, Override, OverrideSource, ENV_PREFIX};
 pub use schema::*;
+pub use tier_name::{check_tier_name, deserialize_tiers, MAX_TIER_NAME_BYTES};
 pub use tls::{TlsFiles, TlsSection, MAX_TLS_FILE_BYTES};
 
 use std::path::Path;
@@ -706,6 +708,47 @@ mod tests {
         .unwrap();
     }
 
+    /// A tier name outside `[A-Za-z0-9_-]{1,64}` (it becomes a metric label) is refused at its
+    /// own line however it is written (a space, a dot, not ASCII, quoted, in a flow mapping,
+    /// empty), the name shown escaped; it was located only when the dotted path `tiers.<name>`
+    /// could be found again in the text.
+    #[test]
+    fn a_bad_tier_name_is_refused_at_its_line() {
+        let why = "tier names are 1-64 characters of [A-Za-z0-9_-]";
+        for (yaml, line, name) in [
+            (
+                "model: {}\ntiers:\n  gold tier: { weight: 1 }\n",
+                3,
+                "gold tier",
+            ),
+            ("model: {}\ntiers:\n  gold.x: { weight: 1 }\n", 3, "gold.x"),
+            ("model: {}\ntiers:\n  \"\u{fc}ber\": {}\n", 3, "\u{fc}ber"),
+            ("tiers: { gold: {}, \"bad one\": {} }\n", 1, "bad one"),
+            ("tiers:\n  gold: {}\n  \"\": {}\n", 3, ""),
+            ("tiers:\n  \"a\\nb\": {}\n", 2, "a\\nb"),
+            (
+                &format!("tiers:\n  {}: {{}}\n", "t".repeat(65)),
+                2,
+                &"t".repeat(65),
+            ),
+        ] {
+            let e = error(yaml, &[]);
+            assert!(
+                e.starts_with(&format!("t.yaml:{line}: tiers: tier name `{name}`: {why}")),
+                "{yaml:?}: {e}"
+            );
+        }
+        let c = Config::from_yaml_str(
+            &format!("tiers:\n  gold-1_B: {{}}\n  {}: {{}}\n", "t".repeat(64)),
+            "t",
+        )
+        .unwrap();
+        assert!(c.tiers.contains_key("gold-1_B"));
+        // Through an override, the override is named.
+        let e = error("model: {}\n", &["tiers={a b: {}}".into()]);
+        assert!(e.contains("tier name `a b`"), "{e}");
+    }
+
     /// `tiers.<name>.max_cpu_loras_per_tenant` is 1 to 4,096 and at most `lora.max_cpu_loras`
     /// (a share larger than the whole could never bind).
     #[test]
@@ -728,10 +771,11 @@ mod tests {
             "lora:\n  max_cpu_loras: 2\ntiers:\n  a: { max_cpu_loras_per_tenant: 3 }\n",
             &[],
         );
-        assert!(
-            e.contains("tiers.a.max_cpu_loras_per_tenant")
-                && e.contains("3 exceeds lora.max_cpu_loras (2)"),
-            "{e}"
+        // The whole sentence, as one line of words (its source once held a run of spaces).
+        assert_eq!(
+            e,
+            "t.yaml:4: tiers.a.max_cpu_loras_per_tenant: 3 exceeds lora.max_cpu_loras (2), the \
+             adapters kept in memory for every tenant together"
         );
         let e = error(
             "tiers:\n  a: { max_cpu_loras_per_tenant: 2 }\n",

@@ -257,7 +257,8 @@ pub struct Config {
     pub cache: CacheSection,
     /// Batching limits and the scheduling policy.
     pub scheduler: SchedulerSection,
-    /// SLO tiers by name (e.g. premium, standard, batch).
+    /// SLO tiers by name (e.g. premium, standard, batch); each name is checked at its key.
+    #[serde(deserialize_with = "crate::deserialize_tiers")]
     pub tiers: BTreeMap<String, TierConfig>,
     /// Logging.
     pub logging: LoggingSection,
@@ -1295,18 +1296,10 @@ impl Config {
                 format!("at most {MAX_TIERS} tiers are allowed"),
             ));
         }
+        // The parser checks each name at its key (`deserialize_tiers`); this holds for a
+        // configuration built in code too.
         for name in self.tiers.keys() {
-            if name.is_empty()
-                || name.len() > 64
-                || !name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-            {
-                return Err((
-                    format!("tiers.{name}"),
-                    "tier names are 1-64 characters of [A-Za-z0-9_-]".into(),
-                ));
-            }
+            crate::check_tier_name(name).map_err(|why| ("tiers".to_string(), why))?;
         }
         for (name, tier) in &self.tiers {
             for (field, bound) in [
@@ -1332,7 +1325,8 @@ impl Config {
                     return Err((
                         format!("tiers.{name}.max_cpu_loras_per_tenant"),
                         format!(
-                            "{n} exceeds lora.max_cpu_loras ({}), the adapters kept in memory                              for every tenant together",
+                            "{n} exceeds lora.max_cpu_loras ({}), the adapters kept in memory \
+                             for every tenant together",
                             self.lora.max_cpu_loras
                         ),
                     ));

@@ -215,7 +215,7 @@ fn check_batch_flags(
 }
 
 /// Refuses the dataset and cache flags the run cannot honour, before the model loads: the
-/// mooncake flags as `bench serve` bounds them, --num-kv-blocks and --kv-offloading-size as
+/// random dataset's lengths and the mooncake flags as `bench serve` bounds them, --num-kv-blocks and --kv-offloading-size as
 /// the configuration bounds cache.num_blocks and cache.kv_offloading_size. Returns the host
 /// tier's bytes (0: none).
 fn validate(args: &ThroughputArgs) -> anyhow::Result<usize> {
@@ -230,7 +230,11 @@ fn validate(args: &ThroughputArgs) -> anyhow::Result<usize> {
             ("--max-output-len", args.max_output_len.is_some()),
         ],
     )?;
+    // The random dataset's lengths too, as `bench serve` bounds them (whether they fit the
+    // model's context is known once it loads).
     for (name, v) in [
+        ("--input-len", args.input_len),
+        ("--output-len", args.output_len),
         ("--max-input-len", args.max_input_len()),
         ("--max-output-len", args.max_output_len()),
     ] {
@@ -393,10 +397,6 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     let mut blocks: Vec<Option<Arc<[u64]>>> = Vec::new();
     let lengths: Vec<(usize, usize)> = match args.dataset {
         BenchDataset::Random => {
-            anyhow::ensure!(
-                args.input_len >= 1 && args.output_len >= 1,
-                "--input-len and --output-len must be at least 1"
-            );
             let total = args
                 .input_len
                 .checked_add(args.output_len)
@@ -880,6 +880,7 @@ mod tests {
         assert_eq!(ok("--kv-offloading-size 1024").unwrap(), 1 << 40);
         ok("--num-kv-blocks 1").unwrap();
         ok("--num-kv-blocks 16777216").unwrap();
+        ok("--input-len 1048576 --output-len 1").unwrap();
         ok(
             "--dataset mooncake --mooncake-block-tokens 4096 --skip-rows 10000000 \
             --max-input-len 1048576 --max-output-len 1",
@@ -897,6 +898,11 @@ mod tests {
             ("--dataset mooncake --skip-rows 10000001", "--skip-rows must be 0..=10000000, not 10000001"),
             ("--dataset mooncake --max-input-len 0", "--max-input-len must be 1..=1048576, not 0"),
             ("--dataset mooncake --max-output-len 1048577", "--max-output-len must be 1..=1048576, not 1048577"),
+            // The random dataset's lengths, as `bench serve` bounds them (a 0 was refused
+            // only once the model had loaded).
+            ("--input-len 0", "--input-len must be 1..=1048576, not 0"),
+            ("--output-len 0", "--output-len must be 1..=1048576, not 0"),
+            ("--input-len 1048577", "--input-len must be 1..=1048576, not 1048577"),
             // Only the mooncake dataset has blocks, rows to skip and rows to bound.
             ("--mooncake-block-tokens 64", "--mooncake-block-tokens needs --dataset mooncake"),
             ("--dataset sharegpt --skip-rows 1", "--skip-rows needs --dataset mooncake"),

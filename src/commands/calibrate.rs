@@ -39,7 +39,10 @@ const LORA_COPIES: usize = 4;
 
 /// The measured steps and the engine they were measured on, as `--samples` writes them.
 #[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object of the measured steps (model, hardware, ..., samples)"
+)]
 struct SamplesFile {
     /// The model.
     model: String,
@@ -998,6 +1001,26 @@ mod tests {
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,
     };
+
+    /// A `--from-samples` file that is JSON but not an object of the measured steps (a list,
+    /// a number) is refused saying what it must be, not by the name of the Rust type that
+    /// reads it (serde's "expected struct SamplesFile with 12 elements").
+    #[test]
+    fn a_samples_file_of_another_shape_says_what_it_must_hold() {
+        let dir = crate::scratch::ScratchDir::new("calibrate-samples-shape");
+        for text in ["[]", "3", "\"steps\""] {
+            let path = dir.path().join("steps.json");
+            std::fs::write(&path, text).unwrap();
+            let e = format!("{:#}", read_samples(&path).expect_err("not samples"));
+            assert!(
+                !e.contains("SamplesFile")
+                    && e.contains(
+                        "expected an object of the measured steps (model, hardware, ..., samples)"
+                    ),
+                "{text}: {e}"
+            );
+        }
+    }
 
     /// Every measurement fits the limits, and the sweep has each kind of step: long and short
     /// prefills, batched ones, prefix hits, decodes from batch 1 to the most that fit, and

@@ -126,10 +126,14 @@ pub fn run(args: RunBatchArgs) -> anyhow::Result<()> {
         window,
         max_line_bytes,
     };
+    let (config_file, cli_overrides) = (args.config.clone(), args.overrides.clone());
     serve::run_engine(system, |system, slot| {
         system.block_on(async move {
             let RunningEngine { adapter, .. } =
-                serve::start_engine(loaded, policy, &config, tiers, slot).await?;
+                serve::start_engine(loaded, policy, &config, tiers, slot, &|field| {
+                    super::config::field_origin(&config_file, &cli_overrides, field)
+                })
+                .await?;
             let mut state = ApiState::new(adapter, api_config, None);
             if let Some(store) = &journal {
                 state = state.with_response_store(Arc::clone(store));

@@ -183,7 +183,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             let RunningEngine {
                 adapter,
                 file_adapters,
-            } = start_engine(loaded, policy, &config, tiers, slot).await?;
+            } = start_engine(loaded, policy, &config, tiers, slot, &|field| {
+                super::config::field_origin(&config_path, &overrides, field)
+            })
+            .await?;
             let drain_engine = adapter.engine.clone();
             let state = ApiState::new(adapter.clone(), api_config, prometheus)
                 .with_response_store(Arc::clone(&responses));
@@ -549,13 +552,16 @@ pub(super) struct RunningEngine {
 /// Starts the engine `loaded` describes with `policy` (built from `config`'s
 /// `scheduler.policy` for `tiers`), registers `lora.adapters`, and wraps it for the HTTP
 /// layer. Runs inside the actix system. `released` gets the engine's [`BackendReleased`] as
-/// soon as it runs (a later step may fail), for [`stop_engine`].
+/// soon as it runs (a later step may fail), for [`stop_engine`]. `origin` says where a field
+/// was set ([`super::config::field_origin`]: `config.yaml:12`, or the override), for an
+/// adapter whose load fails.
 pub(super) async fn start_engine(
     loaded: LoadedEngine,
     policy: Box<dyn Policy>,
     config: &Config,
     tiers: Vec<TierSpec>,
     released: &mut Option<BackendReleased>,
+    origin: &dyn Fn(&str) -> String,
 ) -> anyhow::Result<RunningEngine> {
     let LoadedEngine {
         engine_config,
@@ -580,12 +586,20 @@ pub(super) async fn start_engine(
     let engine = ActorEngine::start(engine_config, backend, tokenizer.clone(), template, policy)?;
     *released = Some(engine.backend_released());
     let mut file_adapters = Vec::new();
-    for a in &config.lora.adapters {
+    for (i, a) in config.lora.adapters.iter().enumerate() {
         let path = switchyard_config::expand_home(&a.path);
         let info = engine
             .register_adapter(a.name.clone(), path.clone(), a.pinned)
             .await
-            .map_err(|e| anyhow::anyhow!("lora.adapters `{}`: {e}", a.name))?;
+            .map_err(|e| {
+                // As the errors found before the load: where the entry is, then the field.
+                let field = format!("lora.adapters[{i}].path");
+                anyhow::anyhow!(
+                    "{}: {field}: LoRA adapter `{}`: {e}",
+                    origin(&field),
+                    a.name
+                )
+            })?;
         tracing::info!(name = %info.name, rank = info.rank, pinned = info.pinned, "LoRA adapter served");
         file_adapters.push((a.name.clone(), path));
     }
