@@ -346,6 +346,30 @@ mod tests {
         assert!(v["param"].is_null());
     }
 
+    /// A store holding one running background response `r` of tenant `t` that has recorded
+    /// 200 events of 10 bytes, of which it keeps the last 100 (an eighth of `max_bytes` 8000).
+    fn running_with_200_events(limits: StoreLimits) -> Arc<crate::response_store::ResponseStore> {
+        use crate::response_store::{EventLog, ResponseStore, Turn};
+        assert_eq!(limits.max_bytes, 8000);
+        let store = Arc::new(ResponseStore::new(limits));
+        let log = EventLog::new();
+        let (abort, _r) = futures_util::future::AbortHandle::new_pair();
+        let queued = StoredResponse {
+            response: json!({"id": "r", "status": "queued", "background": true}),
+            turn: Arc::new(Turn::new(Vec::new(), Vec::new(), None)),
+            events: Some(Arc::clone(&log)),
+        };
+        store
+            .start_background("t", "r", abort, queued)
+            .expect("registered");
+        let frames = (0..200)
+            .map(|_| Bytes::from_static(b"0123456789"))
+            .collect();
+        store.record_events(&log, frames, false);
+        assert_eq!(log.span(), (100, 200));
+        store
+    }
+
     /// The whole body of a stream whose events are all there (it never waits).
     fn body_now(answer: HttpResponse) -> String {
         let body =
@@ -362,29 +386,12 @@ mod tests {
     /// ends with `response_deleted`; one before it is a 404 (`get_for_stream` finds nothing).
     #[test]
     fn a_delete_after_the_look_ends_the_stream_deleted() {
-        use crate::response_store::{EventLog, ResponseStore, Turn};
         let limits = StoreLimits {
             max_bytes: 8000,
             ..StoreLimits::default()
         };
         for starting_after in [None, Some(0), Some(1000), Some(2)] {
-            let store = Arc::new(ResponseStore::new(limits));
-            let log = EventLog::new();
-            let (abort, _r) = futures_util::future::AbortHandle::new_pair();
-            let queued = StoredResponse {
-                response: json!({"id": "r", "status": "queued", "background": true}),
-                turn: Arc::new(Turn::new(Vec::new(), Vec::new(), None)),
-                events: Some(Arc::clone(&log)),
-            };
-            store
-                .start_background("t", "r", abort, queued)
-                .expect("registered");
-            // 200 events of 10 bytes: one response keeps its last 100 (an eighth of 8000).
-            let frames = (0..200)
-                .map(|_| Bytes::from_static(b"0123456789"))
-                .collect();
-            store.record_events(&log, frames, false);
-            assert_eq!(log.span(), (100, 200));
+            let store = running_with_200_events(limits);
             let (stored, events) = store.get_for_stream("t", "r").expect("found");
             assert!(store.remove("t", "r"));
             let answer = stream_stored(&stored, events, starting_after, limits)
@@ -405,26 +412,11 @@ mod tests {
     /// where the kept ones start.
     #[test]
     fn a_resume_before_the_oldest_kept_event_is_a_400() {
-        use crate::response_store::{EventLog, ResponseStore, Turn};
         let limits = StoreLimits {
             max_bytes: 8000,
             ..StoreLimits::default()
         };
-        let store = Arc::new(ResponseStore::new(limits));
-        let log = EventLog::new();
-        let (abort, _r) = futures_util::future::AbortHandle::new_pair();
-        let queued = StoredResponse {
-            response: json!({"id": "r", "status": "queued", "background": true}),
-            turn: Arc::new(Turn::new(Vec::new(), Vec::new(), None)),
-            events: Some(Arc::clone(&log)),
-        };
-        store
-            .start_background("t", "r", abort, queued)
-            .expect("registered");
-        let frames = (0..200)
-            .map(|_| Bytes::from_static(b"0123456789"))
-            .collect();
-        store.record_events(&log, frames, false);
+        let store = running_with_200_events(limits);
         let (stored, events) = store.get_for_stream("t", "r").expect("found");
         match stream_stored(&stored, events, Some(2), limits) {
             Err(ApiError::InvalidRequest { param, message, .. }) => {
