@@ -47,7 +47,10 @@
 //! on, those arriving during the step it falls in included (the server's HTTP layer takes a
 //! SIGHUP at once, its scheduler at the next step boundary). An entry's `policy` (PUT
 //! /admin/policy) is made after its SIGHUP. Tiers equal to those in force change nothing,
-//! as the server leaves them.
+//! as the server leaves them; tiers that differ only in what the scheduler is not given
+//! (priority, bounds on requests in flight, rate limits, shares of adapter memory: not in
+//! `TierSpec`, which the server's reload compares) go to the HTTP layer's model alone and
+//! leave the policy running, as the server leaves it.
 //!
 //! A request is judged by the SLO targets of its tier when it arrived (those the scheduler
 //! queued it with), wherever it finished: each phase's per-tier attainment is against the

@@ -79,7 +79,8 @@ impl Loop<'_> {
     /// takes a swap before it plans its next step), their front end's part first
     /// ([`Loop::apply_front_changes`]). A SIGHUP puts the file's policy in force (its
     /// `scheduler.policy`, else the file's as it was) and its tiers, if they differ from
-    /// those the scheduler runs with: the scheduling core takes them first
+    /// those the scheduler runs with as it takes them (`TierSpec`, as the server's reload
+    /// compares them): the scheduling core takes them first
     /// (`Scheduler::set_tiers`), then the policy, rebuilt with them, is swapped in, as the
     /// server's `Engine::set_tiers` does. An entry's `policy` (PUT /admin/policy) is made
     /// after its SIGHUP. A policy equal to the one in force, with the tiers unchanged, is
@@ -102,16 +103,24 @@ impl Loop<'_> {
             }
             let target = target.cloned();
             let new_tiers = change.tiers.as_ref().filter(|t| *t != self.sched_tiers);
+            // As the server's reload, which compares the tiers as the scheduler takes them
+            // (`TierSpec`): settings only the HTTP layer reads (priority, bounds on requests
+            // in flight, rate limits, shares of adapter memory) call no `set_tiers` and swap
+            // no policy.
+            let new_specs = new_tiers
+                .map(tier_specs)
+                .filter(|s| *s != tier_specs(self.sched_tiers));
+            if let Some(tiers) = new_tiers {
+                self.sched_tiers = tiers;
+            }
             let mut notes = Vec::new();
             let mut swapped = false;
-            if let Some(tiers) = new_tiers {
-                let specs = tier_specs(tiers);
+            if let Some(specs) = new_specs {
                 let taken = self
                     .sched
                     .set_tiers(specs.clone())
                     .map_err(|e| SimError::Scheduler(e.to_string()))?;
                 notes = taken.iter().map(ToString::to_string).collect();
-                self.sched_tiers = tiers;
                 let p = target.unwrap_or_else(|| self.policy_in_force.clone());
                 let (policy, _) = sim.build_policy_with(&p, &specs)?;
                 self.sched.swap_policy(policy);

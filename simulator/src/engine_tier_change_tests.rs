@@ -338,3 +338,31 @@ fn a_request_arriving_during_the_step_a_change_falls_in_gets_the_new_tiers() {
     // The scheduler takes the tiers at the first step boundary from 4.5 ms: 5 ms.
     assert_eq!(run.changes[0].applied_s, 0.005);
 }
+
+#[test]
+fn tiers_changed_only_in_what_the_scheduler_is_not_given_leave_the_policy_running() {
+    // The server's reload compares the tiers as the scheduler and the policies take them
+    // (`TierSpec`: targets, weight, preemptible, max_queue_ms, max_kv_fraction); a SIGHUP
+    // that changes only a tier's priority, bounds on requests in flight, rate limits or
+    // share of adapter memory (the HTTP layer's settings) neither calls `Engine::set_tiers`
+    // nor swaps the policy: it is left running with its state. The bound still holds for
+    // the later arrivals.
+    let mut rs: Vec<TraceRequest> = (0..4).map(|_| req(0.0, 2, "lo")).collect();
+    rs.push(req(0.001, 2, "lo"));
+    let run = sim(
+        "fair-share",
+        PRIORITIES,
+        "[{at_s: 0.0005, tiers: {hi: {priority: 1}, lo: {priority: 2, \
+         max_pending_requests: 2, requests_per_minute: 600}}}]",
+    )
+    .run_policy(&PolicySpec::named("fair-share"), &rs, false)
+    .unwrap();
+    let c = &run.changes[0];
+    assert_eq!(
+        (c.swapped, c.policy.as_str()),
+        (false, "fair-share"),
+        "{c:?}"
+    );
+    assert!(c.tiers.is_some(), "{c:?}");
+    assert_eq!(run.records[4].outcome, "overloaded");
+}
