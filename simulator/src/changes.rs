@@ -42,10 +42,15 @@
 //! (`max_kv_fraction`) count what each tier holds then (a tier over its new bound gets no
 //! block until it has given back the excess: the report names it); the bounds on requests
 //! in flight (`max_pending_requests`, `max_pending_per_tenant`), the rate limits (a
-//! tenant's budget keeps what it used, `TenantBudget::set_limits`), the priorities and the
-//! shares of adapter memory hold for the arrivals from then on. An entry's `policy` (PUT
+//! tenant's budget keeps what it used, `TenantBudget::set_limits`), the priorities, the SLO
+//! targets and the shares of adapter memory hold for the arrivals from the change's own time
+//! on, those arriving during the step it falls in included (the server's HTTP layer takes a
+//! SIGHUP at once, its scheduler at the next step boundary). An entry's `policy` (PUT
 //! /admin/policy) is made after its SIGHUP. Tiers equal to those in force change nothing,
-//! as the server leaves them.
+//! as the server leaves them; tiers that differ only in what the scheduler is not given
+//! (priority, bounds on requests in flight, rate limits, shares of adapter memory: not in
+//! `TierSpec`, which the server's reload compares) go to the HTTP layer's model alone and
+//! leave the policy running, as the server leaves it.
 //!
 //! A request is judged by the SLO targets of its tier when it arrived (those the scheduler
 //! queued it with), wherever it finished: each phase's per-tier attainment is against the

@@ -873,8 +873,15 @@ struct Loop<'a> {
     /// yet: (arrival, index). The others arrive in trace order (the cursor `next` of the
     /// loops, which skips the chained ones).
     released: BTreeSet<(u64, usize)>,
-    /// The tiers in force: the spec's, then those of the last change that set them.
+    /// The tiers in force at the front end (targets, priorities, rate limits and bounds of
+    /// the requests arriving): the spec's, then those of the last change made by then
+    /// ([`Loop::apply_front_changes`]; the server's HTTP layer and engine handle take a
+    /// SIGHUP's tiers at once).
     tiers: &'a BTreeMap<String, TierConf>,
+    /// The tiers the scheduler runs with: the spec's, then those of the last change applied
+    /// at a step boundary ([`Loop::apply_changes`], as the server's scheduler actor takes
+    /// its `SetTiers` between steps).
+    sched_tiers: &'a BTreeMap<String, TierConf>,
     label: String,
     tracks: Vec<Track>,
     itls_ms: Vec<f64>,
@@ -934,8 +941,10 @@ struct Loop<'a> {
     answers: crate::lora_memory::Answers,
     /// The changes to make ([`Simulation::changes`]; none for the capacity estimate).
     changes: &'a [TimedChange],
-    /// The next of `changes` to make.
+    /// The next of `changes` to make at a step boundary (the scheduler's part).
     next_change: usize,
+    /// The next of `changes` to make at the front end (the HTTP layer's part).
+    next_front_change: usize,
     /// The policy in force, as written (the run's, then the changes').
     policy_in_force: PolicySpec,
     /// The policy of the server's file, which a SIGHUP puts in force: the run's, then the
@@ -1004,6 +1013,7 @@ impl<'a> Loop<'a> {
             chained,
             released: BTreeSet::new(),
             tiers: &sim.spec.tiers,
+            sched_tiers: &sim.spec.tiers,
             label: policy.label().to_string(),
             tracks: vec![Track::default(); requests.len()],
             itls_ms: Vec::new(),
@@ -1044,6 +1054,7 @@ impl<'a> Loop<'a> {
             answers: Default::default(),
             changes,
             next_change: 0,
+            next_front_change: 0,
             policy_in_force: policy.clone(),
             file_policy: policy.clone(),
             max_pending: sim.spec.scheduler.max_pending_requests,
@@ -1262,6 +1273,7 @@ impl<'a> Loop<'a> {
                 .flatten()
                 .all(|r| t <= r.0);
                 if arriving.is_none_or(|a| t <= a.0) && before_ready {
+                    self.apply_front_changes(t);
                     rejected += self.on_lora_event(t);
                     continue;
                 }
@@ -1276,6 +1288,7 @@ impl<'a> Loop<'a> {
             .filter(|r| r.0 <= now);
             match (arriving, ready) {
                 (Some((t, i)), r) if r.is_none_or(|r| t < r.0) => {
+                    self.apply_front_changes(t);
                     self.take_arrival(next, (t, i));
                     self.note_arrival(i);
                     if !self.within_rate_limits(i) {

@@ -2,8 +2,9 @@
 //! from a change's time, what the server does with it. A policy goes in through
 //! `Scheduler::swap_policy`; a SIGHUP puts the file's policy in force and its tiers through
 //! `Scheduler::set_tiers` (the scheduler actor's `SetTiers`), with the policy rebuilt for
-//! them, and the tiers' bounds, rate limits, priorities and targets hold for the arrivals
-//! from then on.
+//! them. The tiers' bounds, rate limits, priorities and targets, and the server's bound on
+//! requests in flight, hold for the arrivals from the change's own time on (the server's
+//! HTTP layer takes a SIGHUP at once), those arriving during the step it falls in included.
 
 use super::{policy_params, Loop, PolicyRegistry, SchedulerConfig};
 use crate::changes::{AppliedChange, Refusal, TimedChange};
@@ -75,14 +76,17 @@ pub(super) fn check_changes(
 
 impl Loop<'_> {
     /// Applies the changes made by `now`, at this step boundary (as the server's scheduler
-    /// takes a swap before it plans its next step). A SIGHUP puts the file's policy in force
-    /// (its `scheduler.policy`, else the file's as it was) and its tiers, if they differ from
-    /// those in force: the scheduling core takes them first (`Scheduler::set_tiers`), then
-    /// the policy, rebuilt with them, is swapped in, as the server's `Engine::set_tiers`
-    /// does. An entry's `policy` (PUT /admin/policy) is made after its SIGHUP. A policy
-    /// equal to the one in force, with the tiers unchanged, is left running (as the server
-    /// leaves it); a new bound on requests in flight holds for the arrivals from then on.
+    /// takes a swap before it plans its next step), their front end's part first
+    /// ([`Loop::apply_front_changes`]). A SIGHUP puts the file's policy in force (its
+    /// `scheduler.policy`, else the file's as it was) and its tiers, if they differ from
+    /// those the scheduler runs with as it takes them (`TierSpec`, as the server's reload
+    /// compares them): the scheduling core takes them first
+    /// (`Scheduler::set_tiers`), then the policy, rebuilt with them, is swapped in, as the
+    /// server's `Engine::set_tiers` does. An entry's `policy` (PUT /admin/policy) is made
+    /// after its SIGHUP. A policy equal to the one in force, with the tiers unchanged, is
+    /// left running (as the server leaves it).
     pub(super) fn apply_changes(&mut self, now: u64) -> Result<(), SimError> {
+        self.apply_front_changes(now);
         let (sim, changes) = (self.sim, self.changes);
         while let Some(change) = changes.get(self.next_change).filter(|c| c.at_us <= now) {
             self.next_change += 1;
@@ -98,18 +102,25 @@ impl Loop<'_> {
                 target = Some(p);
             }
             let target = target.cloned();
-            let new_tiers = change.tiers.as_ref().filter(|t| *t != self.tiers);
+            let new_tiers = change.tiers.as_ref().filter(|t| *t != self.sched_tiers);
+            // As the server's reload, which compares the tiers as the scheduler takes them
+            // (`TierSpec`): settings only the HTTP layer reads (priority, bounds on requests
+            // in flight, rate limits, shares of adapter memory) call no `set_tiers` and swap
+            // no policy.
+            let new_specs = new_tiers
+                .map(tier_specs)
+                .filter(|s| *s != tier_specs(self.sched_tiers));
+            if let Some(tiers) = new_tiers {
+                self.sched_tiers = tiers;
+            }
             let mut notes = Vec::new();
             let mut swapped = false;
-            if let Some(tiers) = new_tiers {
-                let specs = tier_specs(tiers);
+            if let Some(specs) = new_specs {
                 let taken = self
                     .sched
                     .set_tiers(specs.clone())
                     .map_err(|e| SimError::Scheduler(e.to_string()))?;
                 notes = taken.iter().map(ToString::to_string).collect();
-                self.set_rate_limits(tiers, now);
-                self.tiers = tiers;
                 let p = target.unwrap_or_else(|| self.policy_in_force.clone());
                 let (policy, _) = sim.build_policy_with(&p, &specs)?;
                 self.sched.swap_policy(policy);
@@ -118,13 +129,10 @@ impl Loop<'_> {
             } else if let Some(p) =
                 target.filter(|p| !crate::changes::same_policy(p, &self.policy_in_force))
             {
-                let (policy, _) = sim.build_policy_with(&p, &tier_specs(self.tiers))?;
+                let (policy, _) = sim.build_policy_with(&p, &tier_specs(self.sched_tiers))?;
                 self.sched.swap_policy(policy);
                 self.policy_in_force = p;
                 swapped = true;
-            }
-            if let Some(n) = change.max_pending_requests {
-                self.max_pending = Some(n);
             }
             self.applied.push(AppliedChange {
                 at_s: change.at_us as f64 / 1e6,
@@ -139,6 +147,26 @@ impl Loop<'_> {
             });
         }
         Ok(())
+    }
+
+    /// Makes the front end's part of the changes made by `t` (an arrival's time, or a step
+    /// boundary), each at its own time, as the server's HTTP layer and engine handle take a
+    /// SIGHUP at once, before its scheduler takes it at its next step boundary: the tiers'
+    /// SLO targets, priorities, rate limits and bounds on requests in flight, and the
+    /// server's bound (`server.max_pending_requests`), hold for the requests arriving from
+    /// the change's time on, those arriving during the step it falls in included.
+    pub(super) fn apply_front_changes(&mut self, t: u64) {
+        let changes = self.changes;
+        while let Some(change) = changes.get(self.next_front_change).filter(|c| c.at_us <= t) {
+            self.next_front_change += 1;
+            if let Some(tiers) = change.tiers.as_ref().filter(|t| *t != self.tiers) {
+                self.set_rate_limits(tiers, change.at_us);
+                self.tiers = tiers;
+            }
+            if let Some(n) = change.max_pending_requests {
+                self.max_pending = Some(n);
+            }
+        }
     }
 
     /// Puts the rate limits of `tiers` in force at `now`, as the server's rate limiter takes

@@ -306,3 +306,63 @@ fn the_workload_must_name_tiers_in_force_at_each_arrival() {
         )
     );
 }
+
+#[test]
+fn a_request_arriving_during_the_step_a_change_falls_in_gets_the_new_tiers() {
+    // The server's HTTP layer takes a SIGHUP's tiers at once (`Engine::set_tiers`: requests
+    // submitted from then on get the new targets; the rate limits and bounds of
+    // `apply_access`), its scheduler at its next step boundary. Request 0 runs ten 1 ms
+    // steps from 0 s; at 4.5 ms, during its fifth step, a change adds tier `new` (TTFT
+    // target 50 ms) and bounds tier `lo` to 1 request in flight; at 4.6 ms a request of
+    // `new` arrives and at 4.7 ms one of `lo`. The first has its tier's target (its first
+    // token at 11 ms: TTFT 6.4 ms, met) and its priority; the second is refused, as the
+    // bound holds from 4.5 ms on (request 0 of `lo` is still in flight).
+    let rs = vec![
+        req(0.0, 10, "lo"),
+        req(0.0046, 1, "new"),
+        req(0.0047, 1, "lo"),
+    ];
+    let run = sim(
+        "fcfs",
+        PRIORITIES,
+        "[{at_s: 0.0045, tiers: {hi: {priority: 0}, lo: {priority: 2, \
+         max_pending_requests: 1}, new: {ttft_ms: 50, priority: 1}}}]",
+    )
+    .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+    .unwrap();
+    let r = &run.records[1];
+    assert_eq!(r.outcome, "length");
+    assert!((r.ttft_ms.unwrap() - 6.4).abs() < 1e-9, "{r:?}");
+    assert_eq!(r.met_ttft, Some(true), "{r:?}");
+    assert_eq!(run.records[2].outcome, "overloaded");
+    // The scheduler takes the tiers at the first step boundary from 4.5 ms: 5 ms.
+    assert_eq!(run.changes[0].applied_s, 0.005);
+}
+
+#[test]
+fn tiers_changed_only_in_what_the_scheduler_is_not_given_leave_the_policy_running() {
+    // The server's reload compares the tiers as the scheduler and the policies take them
+    // (`TierSpec`: targets, weight, preemptible, max_queue_ms, max_kv_fraction); a SIGHUP
+    // that changes only a tier's priority, bounds on requests in flight, rate limits or
+    // share of adapter memory (the HTTP layer's settings) neither calls `Engine::set_tiers`
+    // nor swaps the policy: it is left running with its state. The bound still holds for
+    // the later arrivals.
+    let mut rs: Vec<TraceRequest> = (0..4).map(|_| req(0.0, 2, "lo")).collect();
+    rs.push(req(0.001, 2, "lo"));
+    let run = sim(
+        "fair-share",
+        PRIORITIES,
+        "[{at_s: 0.0005, tiers: {hi: {priority: 1}, lo: {priority: 2, \
+         max_pending_requests: 2, requests_per_minute: 600}}}]",
+    )
+    .run_policy(&PolicySpec::named("fair-share"), &rs, false)
+    .unwrap();
+    let c = &run.changes[0];
+    assert_eq!(
+        (c.swapped, c.policy.as_str()),
+        (false, "fair-share"),
+        "{c:?}"
+    );
+    assert!(c.tiers.is_some(), "{c:?}");
+    assert_eq!(run.records[4].outcome, "overloaded");
+}
