@@ -30,9 +30,12 @@ pub type BlockId = u32;
 pub struct Timestamp(pub u64);
 
 impl Timestamp {
-    /// Converts seconds to a timestamp; negative or NaN inputs give zero, huge ones saturate.
+    /// Converts seconds to a timestamp, rounded to the nearest microsecond (so that a time
+    /// written 4.1 s, whose `f64` is a hair below, is 4,100,000 µs wherever it is read: a
+    /// trace's arrival and a simulated change at the same time fall on the same microsecond);
+    /// negative or NaN inputs give zero, huge ones saturate.
     pub fn from_secs_f64(secs: f64) -> Self {
-        let us = secs * 1e6;
+        let us = (secs * 1e6).round();
         if us.is_nan() || us <= 0.0 {
             Timestamp(0)
         } else if us >= u64::MAX as f64 {

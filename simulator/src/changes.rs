@@ -418,7 +418,7 @@ fn resolve(c: &ChangeSpec) -> Result<TimedChange, (String, String)> {
     }
     Ok(TimedChange {
         // Checked within the clock's range by `validate`.
-        at_us: (c.at_s * 1e6).round() as u64,
+        at_us: switchyard_policies::Timestamp::from_secs_f64(c.at_s).0,
         policy: policy.map(|p| PolicySpec {
             name: p.name,
             label: None,

@@ -366,3 +366,28 @@ fn tiers_changed_only_in_what_the_scheduler_is_not_given_leave_the_policy_runnin
     assert!(c.tiers.is_some(), "{c:?}");
     assert_eq!(run.records[4].outcome, "overloaded");
 }
+
+#[test]
+fn a_request_arriving_at_a_change_s_own_time_is_of_its_phase_everywhere() {
+    // 4.1 as an f64 is a hair below 4.1 (4.1 * 1e6 = 4099999.9999999995): read by truncation
+    // the arrival fell on 4,099,999 µs and the change (rounded) on 4,100,000, so the loop ran
+    // the request before the change, with no tier, and its phase was 0, while the workload
+    // check (comparing seconds) took it as after the change and let its new tier through.
+    // Both are now the nearest microsecond: it arrives with the change's tiers, in phase 1.
+    let rs = vec![req(0.0, 1, "lo"), req(4.1, 1, "new")];
+    let s = sim(
+        "fcfs",
+        PRIORITIES,
+        "[{at_s: 4.1, tiers: {hi: {priority: 0}, lo: {priority: 2}, \
+         new: {ttft_ms: 50, priority: 1}}}]",
+    );
+    let run = s
+        .run_policy(&PolicySpec::named("fcfs"), &rs, false)
+        .unwrap();
+    let r = &run.records[1];
+    assert_eq!(r.arrival_s, 4.1);
+    assert_eq!(r.met_ttft, Some(true), "{r:?}");
+    let phases = crate::phases::phase_summaries(&run.records, &run.changes, "fcfs", &s.spec.tiers);
+    let counts: Vec<u64> = phases.iter().map(|p| p.requests).collect();
+    assert_eq!(counts, [1, 1]);
+}
