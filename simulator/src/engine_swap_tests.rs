@@ -11,9 +11,21 @@ use std::path::Path;
 /// One sequence at a time, 1 ms steps; tiers `hi` (priority 0) and `lo` (priority 2);
 /// `changes` is the spec's `changes:` (YAML flow), `async_scheduling` its flag.
 fn sim(changes: &str, async_scheduling: bool) -> Simulation {
+    sim_of(
+        "fcfs",
+        "{hi: {priority: 0}, lo: {priority: 2}}",
+        &format!(", async_scheduling: {async_scheduling}"),
+        changes,
+    )
+}
+
+/// One sequence at a time, 1 ms steps, 64 blocks of 16 tokens: the run's policy `policy`,
+/// `tiers` the spec's tiers, `scheduler` more of its scheduler section (YAML flow entries
+/// after a comma, or empty) and `changes` its changes (YAML flow).
+pub(super) fn sim_of(policy: &str, tiers: &str, scheduler: &str, changes: &str) -> Simulation {
     let yaml = format!(
-        "policies: [{{name: fcfs}}]\ntiers: {{hi: {{priority: 0}}, lo: {{priority: 2}}}}\n\
-         scheduler: {{max_num_seqs: 1, max_model_len: 100, async_scheduling: {async_scheduling}}}\n\
+        "policies: [{{name: {policy}}}]\ntiers: {tiers}\n\
+         scheduler: {{max_num_seqs: 1, max_model_len: 100{scheduler}}}\n\
          cache: {{num_gpu_blocks: 64}}\nworkload: {{trace: unused.csv, format: azure}}\n\
          changes: {changes}\n"
     );

@@ -5,25 +5,11 @@
 //! below is counted by hand.
 
 use super::*;
-use crate::cost::Calibration;
-use std::path::Path;
 
 /// One sequence at a time, 1 ms steps, 64 blocks of 16 tokens; the run's policy `policy`,
 /// `tiers` the spec's tiers and `changes` its changes (YAML flow).
 fn sim(policy: &str, tiers: &str, changes: &str) -> Simulation {
-    let yaml = format!(
-        "policies: [{{name: {policy}}}]\ntiers: {tiers}\n\
-         scheduler: {{max_num_seqs: 1, max_model_len: 100}}\n\
-         cache: {{num_gpu_blocks: 64}}\nworkload: {{trace: unused.csv, format: azure}}\n\
-         changes: {changes}\n"
-    );
-    let spec = SimulationSpec::from_yaml_str(&yaml, Path::new("t.yaml")).unwrap();
-    let mut sim = Simulation::new(&spec).unwrap();
-    sim.cost = CostModel::Calibrated(Calibration {
-        intercept_s: 1e-3,
-        ..Default::default()
-    });
-    sim
+    super::swap_tests::sim_of(policy, tiers, "", changes)
 }
 
 /// An 8-token prompt of the given tier (the engine tests' request builder).
