@@ -296,21 +296,20 @@ pub fn validate(
             for p in &candidates {
                 registry
                     .create(&p.name, &p.params, &in_force)
-                    .map_err(|e| {
-                        refuse(
-                            "tiers",
-                            format!(
-                                "tiers: policy `{}`, which may be in force then, is rebuilt with \
-                             the new tiers (as a SIGHUP rebuilds the server's) and refuses \
-                             them: {e}",
-                                p.name
-                            ),
-                        )
-                    })?;
+                    .map_err(|e| refuse("tiers", policy_refuses_tiers(&p.name, &e)))?;
             }
         }
     }
     Ok(())
+}
+
+/// The refusal of a change's tiers by a policy that may be in force when it comes (`name`,
+/// refusing with `e`), at the spec's check and at the run's.
+pub(crate) fn policy_refuses_tiers(name: &str, e: &dyn std::fmt::Display) -> String {
+    format!(
+        "tiers: policy `{name}`, which may be in force then, is rebuilt with the new tiers (as a \
+         SIGHUP rebuilds the server's) and refuses them: {e}"
+    )
 }
 
 /// The fields of the mapping `section` (read as the server's section `T`, named `name`) that

@@ -58,15 +58,7 @@ pub(super) fn check_changes(
         if c.tiers.is_some() {
             for p in &candidates {
                 build(p).map_err(|e| {
-                    refuse(
-                        "tiers",
-                        format!(
-                            "tiers: policy `{}`, which may be in force then, is rebuilt with \
-                             the new tiers (as a SIGHUP rebuilds the server's) and refuses \
-                             them: {e}",
-                            p.name
-                        ),
-                    )
+                    refuse("tiers", crate::changes::policy_refuses_tiers(&p.name, &e))
                 })?;
             }
         }
