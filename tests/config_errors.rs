@@ -496,3 +496,150 @@ fn a_misspelt_key_or_choice_names_the_one_meant() {
         "{err}"
     );
 }
+
+/// A configuration of its own, `text`, written apart: the file, in the directory that holds
+/// it (removed when dropped).
+fn written(name: &str, text: &str) -> (TempDir, PathBuf) {
+    let dir = temp_dir("config-errors", name);
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(&path, text).expect("write");
+    (dir, path)
+}
+
+/// A `lora.adapters` entry whose `adapter_config.json` the adapter loader refuses (a rank
+/// above `lora.max_lora_rank`, a file that is not a JSON object or is past its 1 MiB bound) is
+/// refused by `config check` at the entry's line, for the loader's reason: it passed, and
+/// `serve` refused it only once the model had loaded.
+#[test]
+fn an_adapter_s_configuration_is_read_as_its_load_reads_it() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let fixture = root.join("gpu/tests/fixtures/lora/smollm2-r4");
+    let config = |rank: usize, path: &Path| {
+        format!(
+            "lora:\n  enabled: true\n  max_lora_rank: {rank}\n  adapters:\n    - name: tuned\n      path: {}\n",
+            path.display()
+        )
+    };
+    let (_dir, file) = written("adapter-rank", &config(2, &fixture));
+    let err = refused(&file, &[], &[]);
+    assert!(
+        err.starts_with(&format!(
+            "error: {}:6: lora.adapters[0].path: invalid LoRA adapter {}: rank 4 is outside \
+             1..=2 (max_lora_rank)",
+            file.display(),
+            fixture.join("adapter_config.json").display()
+        )),
+        "{err}"
+    );
+    let (_dir, file) = written("adapter-rank-ok", &config(4, &fixture));
+    let (ok, err) = check(&file, &[], &[]);
+    assert!(ok, "{err}");
+
+    let hostile = temp_dir("config-errors", "hostile-adapter");
+    std::fs::write(hostile.join("adapter_model.safetensors"), b"").expect("write");
+    for (text, why) in [
+        ("[1, 2]".to_string(), "not a JSON object"),
+        (" ".repeat(2 << 20), "too large"),
+        ("{\"r\": 0}".to_string(), "rank 0 is outside"),
+    ] {
+        std::fs::write(hostile.join("adapter_config.json"), text).expect("write");
+        let (_dir, file) = written("adapter-hostile", &config(64, &hostile));
+        let err = refused(&file, &[], &[]);
+        assert!(
+            err.contains(":6: lora.adapters[0].path: invalid LoRA adapter ") && err.contains(why),
+            "{why}: {err}"
+        );
+    }
+}
+
+/// A `model.path` that the loader would not read (a directory holding no model, such as
+/// /tmp, or a file that is not GGUF) is refused by `config check` naming the field and its
+/// line, for the loader's reason: it passed, and `serve` failed on `config.json: No such
+/// file` after it had started.
+#[test]
+fn a_model_path_that_holds_no_model_is_refused_naming_its_line() {
+    let empty = temp_dir("config-errors", "no-model");
+    let text = empty.join("notes.txt");
+    std::fs::write(&text, "not a model").expect("write");
+    for (path, why) in [
+        (
+            empty.to_path_buf(),
+            "a directory with neither a .gguf file nor config.json",
+        ),
+        (text.clone(), "not a GGUF file (bad magic)"),
+    ] {
+        let (_dir, file) = written(
+            "no-model-config",
+            &format!("model:\n  path: {}\n", path.display()),
+        );
+        let err = refused(&file, &[], &[]);
+        assert!(
+            err.starts_with(&format!("error: {}:2: model.path: ", file.display()))
+                && err.contains(why),
+            "{}: {err}",
+            path.display()
+        );
+    }
+    let (ok, err) = check(
+        Path::new(EXAMPLE),
+        &[
+            "--set",
+            &format!("model.path={}", common::model_path().display()),
+        ],
+        &[],
+    );
+    assert!(ok, "the embedded model was refused: {err}");
+}
+
+/// A relative path in the configuration is read against the working directory, not the
+/// configuration file's: an error about a missing one says against which, for every kind
+/// of path (`model.path`, an adapter, the API keys file, a TLS file).
+#[test]
+fn a_missing_relative_path_names_the_directory_it_was_read_against() {
+    let cwd = env!("CARGO_MANIFEST_DIR");
+    let note = format!("(relative to the working directory {cwd})");
+    for (set, field) in [
+        ("model.path=models/m.gguf", "model.path"),
+        (
+            "lora.adapters=[{name: tuned, path: adapters/tuned}]",
+            "lora.adapters[0].path",
+        ),
+        ("server.api_keys_file=keys/api.yaml", "server.api_keys_file"),
+        (
+            "server.tls={cert_file: tls/cert.pem, key_file: tls/key.pem}",
+            "server.tls.cert_file",
+        ),
+    ] {
+        let err = refused(
+            Path::new(EXAMPLE),
+            &["--set", "lora.enabled=true", "--set", set],
+            &[],
+        );
+        assert!(err.contains(field) && err.contains(&note), "{set}: {err}");
+    }
+    let err = refused(
+        Path::new(EXAMPLE),
+        &["--set", "model.path=/nonexistent/m.gguf"],
+        &[],
+    );
+    assert!(!err.contains("relative"), "{err}");
+}
+
+/// A block size the KV cache does not take (7) is refused at its line naming the sizes it
+/// takes; one of them (32) passes.
+#[test]
+fn a_block_size_that_is_not_a_power_of_two_is_refused_naming_the_sizes() {
+    let (_dir, file) = edited("block-size", "  block_size: 16", "  block_size: 7");
+    let err = refused(&file, &[], &[]);
+    assert!(
+        err.starts_with(&format!(
+            "error: {}:{}: cache.block_size: 7 is not a block size: it takes a power of two, \
+             one of 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024",
+            file.display(),
+            line_of("  block_size: 16")
+        )),
+        "{err}"
+    );
+    let (ok, err) = check(Path::new(EXAMPLE), &["--set", "cache.block_size=32"], &[]);
+    assert!(ok, "{err}");
+}

@@ -146,32 +146,53 @@ fn an_api_keys_file_without_keys_is_refused_before_the_model_loads() {
     );
 }
 
-/// A `lora.adapters` entry whose files `config check` passes but whose load fails (a rank
-/// above `lora.max_lora_rank`, read once the model has loaded) is refused naming the file and
-/// line of its path, as the errors found before the load do; it named the adapter alone.
+/// A `lora.adapters` entry is refused naming the file and line of its path, as every error
+/// about the configuration is: its `adapter_config.json` (a rank above `lora.max_lora_rank`)
+/// before the model loads, as `config check` refuses it (it was read only once the model had
+/// loaded), and its weights, which only the loaded model can judge, after the load (that
+/// error named the adapter alone).
 #[test]
 fn an_adapter_that_does_not_load_names_its_entry_s_line() {
-    let extra = format!(
-        "lora:\n  enabled: true\n  max_lora_rank: 2\n  adapters:\n    - name: wide\n      path: {}\n",
-        lora_fixture_dir()
-    );
-    let line = config_yaml("", "", &extra)
-        .lines()
-        .position(|l| l.trim_start().starts_with("path: ") && l.contains("smollm2-r4"))
-        .expect("the adapter's path")
-        + 1;
-    let log = serve_refuses("adapter-rank", "", "", &extra);
-    let want = format!(":{line}: lora.adapters[0].path: LoRA adapter `wide`: ");
-    let error = log
-        .lines()
-        .find(|l| l.starts_with("error: "))
-        .unwrap_or_else(|| panic!("no error line:\n{log}"));
+    let entry = |rank: usize, path: &str| {
+        format!(
+            "lora:\n  enabled: true\n  max_lora_rank: {rank}\n  adapters:\n    - name: wide\n      path: {path}\n"
+        )
+    };
+    let error_of = |name: &str, extra: &str| {
+        // The line after the entry's `- name: wide`, 1-based.
+        let line = config_yaml("", "", extra)
+            .lines()
+            .position(|l| l.trim_start() == "- name: wide")
+            .expect("the adapter's entry")
+            + 2;
+        let log = serve_refuses(name, "", "", extra);
+        let error = log
+            .lines()
+            .find(|l| l.starts_with("error: "))
+            .unwrap_or_else(|| panic!("no error line:\n{log}"))
+            .to_owned();
+        assert!(
+            error.contains(&format!("config.yaml:{line}: lora.adapters[0].path: ")),
+            "{error}"
+        );
+        (error, log)
+    };
+    let (error, log) = error_of("adapter-rank", &entry(2, lora_fixture_dir()));
     assert!(
-        error.contains("config.yaml")
-            && error.contains(&want)
-            && error.contains("rank 4 is outside 1..=2"),
-        "{error}"
+        error.contains("adapter_config.json: rank 4 is outside 1..=2 (max_lora_rank)")
+            && !log.contains("loading model"),
+        "not refused before the model loads:\n{log}"
     );
+    // Weights the configuration does not announce: a file that is not safetensors.
+    let dir = temp_dir("config", "weights-not-safetensors");
+    std::fs::copy(
+        Path::new(lora_fixture_dir()).join("adapter_config.json"),
+        dir.join("adapter_config.json"),
+    )
+    .expect("copy the adapter's configuration");
+    std::fs::write(dir.join("adapter_model.safetensors"), b"not safetensors").expect("write");
+    let (error, _) = error_of("adapter-weights", &entry(64, &dir.display().to_string()));
+    assert!(error.contains("LoRA adapter `wide`: "), "{error}");
 }
 
 #[test]
@@ -817,6 +838,29 @@ fn a_tier_flooding_its_bound_does_not_lock_out_the_other_tiers() {
         !out.status.success() && err.contains("max_pending_requests"),
         "{err}"
     );
+}
+
+/// `GET /version` answers as vLLM's does, `{"version": ...}` with the server's version, to
+/// every caller as `/health` does, while the API asks for a key; it takes no other method.
+#[test]
+fn version_answers_without_a_key_as_vllm_s_does() {
+    let keys = "  api_keys:\n    - { key: good-key-000001, tenant: acme }\n";
+    let s = Server::start_with("version", keys, "");
+    let r = s
+        .request("GET", "/version", None, &[])
+        .expect("GET /version");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let body: Value = serde_json::from_str(&r.body).expect("json");
+    assert_eq!(body, json!({"version": env!("CARGO_PKG_VERSION")}));
+    let r = s
+        .request("GET", "/v1/models", None, &[])
+        .expect("GET /v1/models");
+    assert_eq!(r.status, 401, "{}", r.body);
+    let r = s
+        .request("POST", "/version", Some("{}"), &[])
+        .expect("POST /version");
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_eq!(r.header("allow"), Some("GET"), "{r:?}");
 }
 
 /// A missing or wrong API key or admin key is logged at WARN with the route and the peer

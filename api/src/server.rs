@@ -176,6 +176,11 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: ApiState) {
                         .default_service(method_not_allowed("GET, HEAD")),
                 )
                 .service(
+                    web::resource("/version")
+                        .route(web::get().to(routes::version))
+                        .default_service(method_not_allowed("GET")),
+                )
+                .service(
                     web::resource("/ready")
                         .route(web::get().to(routes::ready))
                         .route(web::head().to(routes::ready))

@@ -24,6 +24,22 @@ pub fn expand_home(path: &str) -> PathBuf {
     }
 }
 
+/// What an error about the operator-given `path` adds after it: nothing for an absolute path,
+/// and for a relative one the directory it was read against, ` (relative to the working
+/// directory /srv)`. A relative path in the configuration (`model.path`,
+/// `server.api_keys_file`, an adapter, a TLS file) is read against the directory the process
+/// runs in, not the configuration file's; the error says so, since a path that reads well
+/// beside the file is missing from elsewhere.
+pub fn relative_note(path: &Path) -> String {
+    if !path.is_relative() {
+        return String::new();
+    }
+    match std::env::current_dir() {
+        Ok(dir) => format!(" (relative to the working directory {})", dir.display()),
+        Err(e) => format!(" (relative to the working directory, which cannot be named: {e})"),
+    }
+}
+
 /// The text of the regular file at `path` (links followed), at most `max` bytes: see
 /// [`read_bytes`]; the bytes must be UTF-8.
 pub(crate) fn read_text(path: &Path, max: u64) -> Result<String, ReadError> {
@@ -86,6 +102,16 @@ mod tests {
             read_text(&dir.join("missing"), 10),
             Err(ReadError::Io(_))
         ));
+    }
+
+    #[test]
+    fn only_a_relative_path_is_said_to_be_relative_to_the_working_directory() {
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(
+            relative_note(Path::new("models/m.gguf")),
+            format!(" (relative to the working directory {})", cwd.display())
+        );
+        assert_eq!(relative_note(Path::new("/srv/models/m.gguf")), "");
     }
 
     #[test]

@@ -52,7 +52,7 @@ impl Config {
         };
         let text = file::read_text(&path, MAX_CONFIG_BYTES).map_err(|e| {
             let why = match e {
-                ReadError::Io(e) => format!("cannot read it: {e}"),
+                ReadError::Io(e) => format!("cannot read it{}: {e}", file::relative_note(&path)),
                 ReadError::Invalid(m) => m,
             };
             invalid(FILE_FIELD.into(), why)
@@ -180,7 +180,20 @@ mod tests {
             Config::from_yaml_str("server:\n  api_keys_file: /nonexistent/k.yaml\n", "t").unwrap();
         let e = cfg.load_api_keys().unwrap_err().to_string();
         assert!(
-            e.contains("/nonexistent/k.yaml") && e.contains("cannot read"),
+            e.contains("/nonexistent/k.yaml")
+                && e.contains("cannot read")
+                && !e.contains("relative"),
+            "{e}"
+        );
+        // A relative path is read against the working directory, not the file's: said so.
+        let cfg = Config::from_yaml_str("server:\n  api_keys_file: no-such/k.yaml\n", "t").unwrap();
+        let e = cfg.load_api_keys().unwrap_err().to_string();
+        let cwd = std::env::current_dir().unwrap();
+        assert!(
+            e.contains(&format!(
+                "cannot read it (relative to the working directory {}): ",
+                cwd.display()
+            )),
             "{e}"
         );
     }

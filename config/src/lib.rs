@@ -29,7 +29,7 @@ mod tier_name;
 mod tls;
 
 pub use cors::{CorsSection, MAX_CORS_ENTRIES, MAX_CORS_ENTRY_BYTES};
-pub use file::{expand_home, read_bytes, ReadError};
+pub use file::{expand_home, read_bytes, relative_note, ReadError};
 pub use locate::locate;
 pub use log_filter::check_log_filter;
 pub use nearest_name::with_did_you_mean;
@@ -499,6 +499,13 @@ mod tests {
                 "block_size",
                 "2048",
                 "2048 is out of range 1..=1024",
+            ),
+            (
+                "cache",
+                "block_size",
+                "7",
+                "7 is not a block size: it takes a power of two, one of 1, 2, 4, 8, 16, 32, 64, \
+                 128, 256, 512, 1024",
             ),
             ("server", "port", "99999", "99999 is out of range 0..=65535"),
             ("server", "port", "-1", "-1 is out of range 0..=65535"),

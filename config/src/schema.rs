@@ -72,6 +72,60 @@ fn usize_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
     usize::try_from(v).map_err(de::Error::custom)
 }
 
+/// The sizes `cache.block_size` takes: the powers of two from 1 to 1024. The backends and
+/// the block pool would run any size in that range, but every size an engine offers is one
+/// of these (vLLM's `--block-size` choices are 1, 8, 16, 32, 64, 128 and 256), the pool maps
+/// a token to its block by a shift only for them, and 7 or 100 is a typo far more often
+/// than a choice.
+pub const BLOCK_SIZES: [usize; 11] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024];
+
+/// Visits an integer of [`BLOCK_SIZES`]; another is refused naming them. The check is made
+/// while visiting the value, as [`IntIn`]'s, so that the error is located at the value.
+struct BlockSize;
+
+impl BlockSize {
+    fn check<E: de::Error>(v: u64) -> Result<u64, E> {
+        if BLOCK_SIZES.iter().any(|&s| s as u64 == v) {
+            return Ok(v);
+        }
+        let sizes: Vec<String> = BLOCK_SIZES.iter().map(usize::to_string).collect();
+        Err(E::custom(format!(
+            "{v} is not a block size: it takes a power of two, one of {}",
+            sizes.join(", ")
+        )))
+    }
+}
+
+impl Visitor<'_> for BlockSize {
+    type Value = u64;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a power of two in 1..=1024")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+        IntIn::<1, 1024>.visit_u64(v).and_then(Self::check)
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+        IntIn::<1, 1024>.visit_i64(v).and_then(Self::check)
+    }
+
+    fn visit_u128<E: de::Error>(self, v: u128) -> Result<u64, E> {
+        IntIn::<1, 1024>.visit_u128(v).and_then(Self::check)
+    }
+
+    fn visit_i128<E: de::Error>(self, v: i128) -> Result<u64, E> {
+        IntIn::<1, 1024>.visit_i128(v).and_then(Self::check)
+    }
+}
+
+/// `cache.block_size`: an integer of [`BLOCK_SIZES`].
+fn block_size<'de, D: Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
+    let v = d.deserialize_any(BlockSize)?;
+    usize::try_from(v).map_err(de::Error::custom)
+}
+
 /// `null` (None) or an integer in `MIN..=MAX`.
 fn opt_usize_in<'de, D: Deserializer<'de>, const MIN: u64, const MAX: u64>(
     d: D,
@@ -817,8 +871,8 @@ impl Default for ServerSection {
     expecting = "a mapping (the cache section)"
 )]
 pub struct CacheSection {
-    /// Tokens per KV block.
-    #[serde(deserialize_with = "usize_in::<_, 1, 1024>")]
+    /// Tokens per KV block: a power of two in 1..=1024 ([`BLOCK_SIZES`]).
+    #[serde(deserialize_with = "block_size")]
     pub block_size: usize,
     /// Number of KV blocks; when unset it follows from `kv_cache_mb` (CPU) or
     /// `gpu_memory_utilization` (CUDA).

@@ -78,7 +78,7 @@ impl Config {
                 };
                 (
                     format!("server.tls.{field}"),
-                    format!("`{}`: {why}", path.display()),
+                    format!("`{}`{}: {why}", path.display(), file::relative_note(&path)),
                 )
             })
         };

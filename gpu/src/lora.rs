@@ -830,6 +830,18 @@ impl LoraAdapter {
     /// kilobytes read where a load reads megabytes or more, so that a load into full memory
     /// is refused before anything is dropped to make room for it. Passing it promises no
     /// load: the values may not be finite (once scaled), and the files may change in between.
+    /// Checks the PEFT adapter in `dir` as far as can be done without the base model: the
+    /// directory, its `adapter_config.json` (a regular file of at most 1 MiB, read and checked
+    /// whole as [`LoraAdapter::load`] checks it: the rank within `limits.max_rank`, the scale,
+    /// the selected modules, what is not supported) and that `adapter_model.safetensors` is a
+    /// regular file (not opened). Returns the rank. `config check` and `serve` call it before
+    /// the model loads, so that an adapter a load would refuse for these reasons is refused
+    /// minutes earlier; the weights' names and shapes against the model are checked as it
+    /// loads ([`LoraAdapter::check`] with the model's configuration).
+    pub fn check_files(dir: &Path, limits: &LoraLimits) -> Result<usize, GpuError> {
+        adapter_files(dir, limits).map(|(cfg, _)| cfg.rank)
+    }
+
     pub fn check(dir: &Path, c: &LlamaConfig, limits: &LoraLimits) -> Result<(), GpuError> {
         let (cfg, path) = adapter_files(dir, limits)?;
         let max = file_bound(&path, &cfg, c, limits)?;
@@ -1610,6 +1622,48 @@ mod tests {
             let e = read_header(&p, 1 << 20).unwrap_err().to_string();
             assert!(e.contains("not a regular file"), "{}: {e}", p.display());
         }
+    }
+
+    /// The check without the model (`config check`, `serve` before its load) reads
+    /// `adapter_config.json` as a load does: it returns the rank, and refuses a rank above the
+    /// configured bound, a file that is not a JSON object or is past the 1 MiB bound, and a
+    /// directory without the weights' file, for a load's reasons; the weights are not read.
+    #[test]
+    fn the_files_check_reads_the_configuration_as_a_load_does() {
+        let d = scratch("check-files");
+        let config = d.join("adapter_config.json");
+        let weights = d.join("adapter_model.safetensors");
+        let limits = |max_rank| LoraLimits {
+            max_rank,
+            ..LoraLimits::default()
+        };
+        std::fs::write(&config, CONFIG).unwrap();
+        let e = LoraAdapter::check_files(&d, &limits(64)).unwrap_err();
+        assert!(
+            e.to_string().contains("no adapter_model.safetensors"),
+            "{e}"
+        );
+        // Not a safetensors file at all: its content is left to the load.
+        std::fs::write(&weights, b"not read").unwrap();
+        assert_eq!(LoraAdapter::check_files(&d, &limits(64)).unwrap(), 2);
+        let e = LoraAdapter::check_files(&d, &limits(1)).unwrap_err();
+        assert!(
+            e.to_string()
+                .ends_with("rank 2 is outside 1..=1 (max_lora_rank)"),
+            "{e}"
+        );
+        for (text, why) in [
+            ("[]".to_string(), "not a JSON object"),
+            (" ".repeat(2 << 20), "too large"),
+            ("{\"r\": 4, \"use_dora\": true}".into(), "DoRA"),
+        ] {
+            std::fs::write(&config, text).unwrap();
+            let e = LoraAdapter::check_files(&d, &limits(64)).unwrap_err();
+            assert!(e.to_string().contains(why), "{why}: {e}");
+        }
+        std::fs::remove_file(&config).unwrap();
+        let e = LoraAdapter::check_files(&d, &limits(64)).unwrap_err();
+        assert!(e.to_string().contains("no adapter_config.json"), "{e}");
     }
 
     #[test]

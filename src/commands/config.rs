@@ -13,8 +13,10 @@ pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
         ConfigCommand::Check { file, overrides } => {
             // What `serve` checks before it loads the model, so that a configuration that
             // passes here does not fail there: the policy and its parameters (by the registry
-            // that will run them), that `model.path` can be read, that `model.chat_template`
-            // reads and compiles, the TLS certificate and key, and the API keys file.
+            // that will run them), that `model.path` is a model the loader reads, that
+            // `model.chat_template` reads and compiles, each `lora.adapters` entry's files and
+            // `adapter_config.json` (its rank within `lora.max_lora_rank`), the TLS
+            // certificate and key, and the API keys file.
             let Checked { config, tls } = load_checked(&file, &overrides)?;
             let keys = config.load_api_keys()?;
             // Keys are secrets: the printed configuration leaves them out.
@@ -92,14 +94,21 @@ pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow:
         model_path_readable(&config.model.path).map_err(|why| ("model.path".to_string(), why))?;
         if let Some(file) = &config.model.chat_template {
             let file = switchyard_config::expand_home(file);
-            switchyard_gpu::model::chat_template::ChatTemplate::check_file(&file)
-                .map_err(|e| ("model.chat_template".to_string(), format!("{e}")))?;
+            switchyard_gpu::model::chat_template::ChatTemplate::check_file(&file).map_err(|e| {
+                let note = missing_note(&file);
+                ("model.chat_template".to_string(), format!("{e}{note}"))
+            })?;
         }
         for (i, dir) in config.lora.adapter_dirs.iter().enumerate() {
             adapter_dir_readable(dir).map_err(|why| (format!("lora.adapter_dirs[{i}]"), why))?;
         }
+        let limits = switchyard_gpu::LoraLimits {
+            max_rank: config.lora.max_lora_rank,
+            ..switchyard_gpu::LoraLimits::default()
+        };
         for (i, a) in config.lora.adapters.iter().enumerate() {
             adapter_files_present(&a.path)
+                .and_then(|()| adapter_config_valid(&a.path, &limits))
                 .map_err(|why| (format!("lora.adapters[{i}].path"), why))?;
         }
         let spec = &config.scheduler.policy;
@@ -113,10 +122,11 @@ pub fn load_checked(file: &std::path::Path, cli_overrides: &[String]) -> anyhow:
         }
         tls = tls_certificate(config)?;
         if let Some(dir) = &config.server.responses.path {
-            switchyard_api::response_store::journal::check_directory(
-                &switchyard_config::expand_home(dir),
-            )
-            .map_err(|why| ("server.responses.path".to_string(), why))?;
+            let dir = switchyard_config::expand_home(dir);
+            switchyard_api::response_store::journal::check_directory(&dir).map_err(|why| {
+                let note = missing_note(&dir);
+                ("server.responses.path".to_string(), format!("{why}{note}"))
+            })?;
         }
         Ok(())
     })?;
@@ -269,9 +279,11 @@ pub fn with_kind_hint(
     }
 }
 
-/// Refuses a `model.path` that is not there or cannot be read (`~` expanded), from its
-/// metadata and an open, without loading anything. An empty path is the embedded default,
-/// which may be fetched after the check (`serve` says to fetch it when it is missing).
+/// Refuses a `model.path` that is not there or cannot be read (`~` expanded), or is not what
+/// the loader reads (a GGUF file, a directory holding one, or a Hugging Face checkpoint:
+/// [`switchyard_gpu::model::check_model_path`], a few bytes read), without loading anything.
+/// An empty path is the embedded default, which may be fetched after the check (`serve`
+/// says to fetch it when it is missing).
 fn model_path_readable(path: &str) -> Result<(), String> {
     if path.is_empty() {
         return Ok(());
@@ -284,7 +296,29 @@ fn model_path_readable(path: &str) -> Result<(), String> {
             std::fs::File::open(&full).map(drop)
         }
     });
-    readable.map_err(|e| format!("cannot read `{}`: {}", full.display(), io_reason(&e)))
+    readable.map_err(|e| cannot_read(&full, &e))?;
+    switchyard_gpu::model::check_model_path(&full).map_err(|e| e.to_string())
+}
+
+/// `cannot read `PATH`: why`, saying against which directory a relative path was read.
+fn cannot_read(path: &std::path::Path, e: &std::io::Error) -> String {
+    format!(
+        "cannot read `{}`{}: {}",
+        path.display(),
+        switchyard_config::relative_note(path),
+        io_reason(e)
+    )
+}
+
+/// [`switchyard_config::relative_note`] of a path that is not there (nothing otherwise: the
+/// error is about what the file holds).
+fn missing_note(path: &std::path::Path) -> String {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            switchyard_config::relative_note(path)
+        }
+        _ => String::new(),
+    }
 }
 
 /// Refuses an entry of `lora.adapter_dirs` that is not a directory this process can list
@@ -295,12 +329,8 @@ fn adapter_dir_readable(dir: &str) -> Result<(), String> {
         Ok(m) if !m.is_dir() => Err(format!("`{}` is not a directory", full.display())),
         Ok(_) => std::fs::read_dir(&full)
             .map(drop)
-            .map_err(|e| format!("cannot read `{}`: {}", full.display(), io_reason(&e))),
-        Err(e) => Err(format!(
-            "cannot read `{}`: {}",
-            full.display(),
-            io_reason(&e)
-        )),
+            .map_err(|e| cannot_read(&full, &e)),
+        Err(e) => Err(cannot_read(&full, &e)),
     }
 }
 
@@ -318,13 +348,7 @@ fn adapter_files_present(path: &str) -> Result<(), String> {
             ))
         }
         Ok(_) => {}
-        Err(e) => {
-            return Err(format!(
-                "cannot read `{}`: {}",
-                full.display(),
-                io_reason(&e)
-            ))
-        }
+        Err(e) => return Err(cannot_read(&full, &e)),
     }
     for name in ["adapter_config.json", "adapter_model.safetensors"] {
         match std::fs::metadata(full.join(name)) {
@@ -339,6 +363,17 @@ fn adapter_files_present(path: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Refuses a `lora.adapters` entry (`~` expanded) whose `adapter_config.json` the adapter
+/// loader would refuse, read as it reads it ([`switchyard_gpu::LoraAdapter::check_files`]: a
+/// regular file of at most 1 MiB, the rank within `lora.max_lora_rank`, nothing it does not
+/// support); the weights are checked against the model as the adapter loads.
+fn adapter_config_valid(path: &str, limits: &switchyard_gpu::LoraLimits) -> Result<(), String> {
+    let full = switchyard_config::expand_home(path);
+    switchyard_gpu::LoraAdapter::check_files(&full, limits)
+        .map(drop)
+        .map_err(|e| e.to_string())
 }
 
 /// `--lora DIR` (`generate`, `bench throughput`, `calibrate`) checked before the model loads

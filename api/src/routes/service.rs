@@ -227,6 +227,13 @@ pub(crate) async fn health(state: web::Data<ApiState>) -> Result<HttpResponse, A
     Ok(HttpResponse::Ok().finish())
 }
 
+/// `GET /version`: the server's version (this crate's, the workspace's), as vLLM's `/version`
+/// answers with its own: `{"version": "0.1.0"}`. Open to every caller, as `/health` is
+/// (vLLM asks for a key on `/v1` paths only), and answered whatever the engine's state.
+pub(crate) async fn version() -> HttpResponse {
+    HttpResponse::Ok().json(serde_json::json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
 /// `GET /ready`: 200 once the engine is ready, 503 before, while draining, once the engine
 /// cannot serve and while it is stalled.
 pub(crate) async fn ready(state: web::Data<ApiState>) -> Result<HttpResponse, ApiError> {

@@ -16,7 +16,7 @@ use super::tensor::{DType, ModelWeights};
 use crate::error::GpuError;
 
 /// `"GGUF"` read as a little-endian u32.
-const GGUF_MAGIC: [u8; 4] = *b"GGUF";
+pub(crate) const GGUF_MAGIC: [u8; 4] = *b"GGUF";
 /// Longest accepted string (metadata key or value, tensor name).
 pub const MAX_STRING_LEN: u64 = 1 << 20;
 /// Longest accepted metadata array.

@@ -136,6 +136,48 @@ fn move_unrotated_dims(c: &LlamaConfig, weights: &mut ModelWeights) -> Result<()
     Ok(())
 }
 
+/// Checks that `path` is what [`load_model`] reads, without loading it (a few bytes read, for
+/// `config check` and `serve` before the load): a GGUF file (its first four bytes are GGUF's
+/// magic), a directory holding one `.gguf` file (the same, of that file), or a Hugging Face
+/// checkpoint directory, whose `config.json` and `tokenizer.json` are regular files and whose
+/// safetensors shards are found as the load finds them (`model.safetensors.index.json`, else
+/// every `*.safetensors`). Any other directory is refused saying what a model is. Passing it
+/// promises no load: the files' contents are checked as the model loads.
+pub fn check_model_path(path: &Path) -> Result<(), GpuError> {
+    if !path.is_dir() {
+        return check_gguf_magic(path);
+    }
+    if let Some(file) = single_gguf_in(path)? {
+        return check_gguf_magic(&file);
+    }
+    if !is_hf_checkpoint(path) {
+        return Err(GpuError::invalid_file(
+            path,
+            "a directory with neither a .gguf file nor config.json: a model is a GGUF file, a \
+             directory holding one, or a Hugging Face checkpoint (config.json, tokenizer.json \
+             and *.safetensors)",
+        ));
+    }
+    for name in ["config.json", "tokenizer.json"] {
+        super::open_regular(&path.join(name))?;
+    }
+    super::safetensors_dir::shard_files(path).map(drop)
+}
+
+/// Refuses a file that does not start with GGUF's magic, reading those four bytes only.
+fn check_gguf_magic(path: &Path) -> Result<(), GpuError> {
+    use std::io::Read;
+    let mut magic = Vec::with_capacity(4);
+    super::open_regular(path)?
+        .take(4)
+        .read_to_end(&mut magic)
+        .map_err(|e| GpuError::io(path, e))?;
+    if magic != super::gguf::GGUF_MAGIC {
+        return Err(GpuError::invalid_file(path, "not a GGUF file (bad magic)"));
+    }
+    Ok(())
+}
+
 /// Whether [`load_model`] reads `path` as a Hugging Face checkpoint (a directory with
 /// `config.json`); any other directory holds one GGUF file, and a file is GGUF.
 pub fn is_hf_checkpoint(path: &Path) -> bool {

@@ -370,3 +370,40 @@ fn loaded_model_is_send_and_sync() {
     check::<Tokenizer>();
     check::<ChatTemplate>();
 }
+
+/// `check_model_path` (`config check`, `serve` before its load) accepts what `load_model`
+/// reads and refuses, for the load's reason and with a few bytes read, a directory that holds
+/// no model (serve then failed with "config.json: No such file" once it had started), a
+/// checkpoint without its tokenizer or shards, and a file that is not GGUF.
+#[test]
+fn the_path_check_accepts_what_a_load_reads_and_refuses_the_rest() {
+    let check = |p: &Path| check_model_path(p).map_err(|e| e.to_string());
+    assert_eq!(check(&test_model_path()), Ok(()));
+    let d = scratch("path-check");
+    let e = check(&d).unwrap_err();
+    assert!(
+        e.contains("a directory with neither a .gguf file nor config.json"),
+        "{e}"
+    );
+    write_tiny_hf(&d, 4);
+    assert_eq!(check(&d), Ok(()));
+    load_model(&d, &crate::progress::NoProgress).expect("the checked checkpoint loads");
+    std::fs::remove_file(d.join("tokenizer.json")).unwrap();
+    let e = check(&d).unwrap_err();
+    assert!(e.contains("tokenizer.json"), "{e}");
+    std::fs::write(d.join("tokenizer.json"), "{}").unwrap();
+    std::fs::remove_file(d.join("model.safetensors")).unwrap();
+    let e = check(&d).unwrap_err();
+    assert!(e.contains("no *.safetensors files"), "{e}");
+    let text = d.join("notes.txt");
+    std::fs::write(&text, "GGU").unwrap();
+    let e = check(&text).unwrap_err();
+    assert!(e.ends_with("not a GGUF file (bad magic)"), "{e}");
+    // A directory holding one GGUF file is that file, checked the same way.
+    let g = scratch("path-check-gguf");
+    std::fs::write(g.join("m.gguf"), "not gguf").unwrap();
+    let e = check(&g).unwrap_err();
+    assert!(e.contains("m.gguf") && e.contains("bad magic"), "{e}");
+    std::fs::write(g.join("m.gguf"), b"GGUF\x03\0\0\0").unwrap();
+    assert_eq!(check(&g), Ok(()));
+}

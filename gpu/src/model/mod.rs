@@ -68,7 +68,7 @@ mod tokenizer_spm;
 pub use chat_template::{ChatEnding, ChatMessage, ChatTemplate, ToolSupport};
 pub use config::{LlamaConfig, RopeStyle};
 pub use fetch::{default_model_path, fetch_model};
-pub use loader::{is_hf_checkpoint, load_model, LoadedModel};
+pub use loader::{check_model_path, is_hf_checkpoint, load_model, LoadedModel};
 pub use rope::{Llama3Scaling, LongRopeScaling, RopeScaling, YarnScaling};
 pub use tensor::{DType, ModelWeights, TensorView};
 pub use tokenizer::Tokenizer;
