@@ -25,6 +25,7 @@ mod schema;
 mod scratch;
 #[path = "../../support/short_number.rs"]
 mod short_number;
+mod tier_diff;
 mod tier_name;
 mod tls;
 
@@ -35,6 +36,7 @@ pub use log_filter::check_log_filter;
 pub use nearest_name::with_did_you_mean;
 pub use overrides::{apply_override, env_overrides, Override, OverrideSource, ENV_PREFIX};
 pub use schema::*;
+pub use tier_diff::{tier_field_changes, TierFieldChange};
 pub use tier_name::{check_tier_name, deserialize_tiers, MAX_TIER_NAME_BYTES};
 pub use tls::{TlsFiles, TlsSection, MAX_TLS_FILE_BYTES};
 

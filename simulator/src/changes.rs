@@ -450,30 +450,19 @@ pub fn tier_differences(
     before: &BTreeMap<String, TierConf>,
     after: &BTreeMap<String, TierConf>,
 ) -> Vec<String> {
-    let fields = |t: &TierConf| match serde_json::to_value(t) {
-        Ok(serde_json::Value::Object(m)) => m,
-        _ => serde_json::Map::new(),
-    };
-    let shown = |v: Option<&serde_json::Value>| match v {
-        None | Some(serde_json::Value::Null) => "none".to_string(),
-        Some(v) => v.to_string(),
-    };
+    let changed = switchyard_config::tier_field_changes(before, after);
     let mut out = Vec::new();
-    for (name, new) in after {
-        let Some(old) = before.get(name) else {
+    for name in after.keys() {
+        if !before.contains_key(name) {
             out.push(format!("+{name}"));
             continue;
-        };
-        let (old, new) = (fields(old), fields(new));
-        let mut keys: Vec<&String> = old.keys().chain(new.keys()).collect();
-        keys.sort_unstable();
-        keys.dedup();
-        for key in keys {
-            let (from, to) = (shown(old.get(key)), shown(new.get(key)));
-            if from != to {
-                out.push(format!("{name}.{key} {from} -> {to}"));
-            }
         }
+        out.extend(
+            changed
+                .iter()
+                .filter(|c| &c.tier == name)
+                .map(|c| format!("{name}.{} {} -> {}", c.field, c.from, c.to)),
+        );
     }
     out.extend(
         before

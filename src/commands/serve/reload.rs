@@ -509,35 +509,10 @@ fn tier_field_changes(
     before: &BTreeMap<String, TierConfig>,
     after: &BTreeMap<String, TierConfig>,
 ) -> Vec<String> {
-    let fields = |t: &TierConfig| match serde_json::to_value(t) {
-        Ok(serde_json::Value::Object(m)) => m,
-        _ => serde_json::Map::new(),
-    };
-    let shown = |v: Option<&serde_json::Value>| match v {
-        None | Some(serde_json::Value::Null) => "none".to_string(),
-        Some(v) => v.to_string(),
-    };
-    let mut changed = Vec::new();
-    for (name, old) in before {
-        let Some(new) = after.get(name) else {
-            continue;
-        };
-        let (old, new) = (fields(old), fields(new));
-        let mut keys: Vec<&String> = old.keys().chain(new.keys()).collect();
-        keys.sort_unstable();
-        keys.dedup();
-        for key in keys {
-            let (from, to) = (old.get(key), new.get(key));
-            if shown(from) != shown(to) {
-                changed.push(format!(
-                    "tiers.{name}.{key}: {} -> {}",
-                    shown(from),
-                    shown(to)
-                ));
-            }
-        }
-    }
-    changed
+    switchyard_config::tier_field_changes(before, after)
+        .into_iter()
+        .map(|c| format!("tiers.{}.{}: {} -> {}", c.tier, c.field, c.from, c.to))
+        .collect()
 }
 
 /// Checks what `cfg` asks of the API's access: its keys (unless the API was started `open`),
