@@ -349,7 +349,7 @@ fn throughput(args: ThroughputArgs) -> anyhow::Result<()> {
     // at once.
     let dataset = read_dataset_file(&args)?;
     if let Some(dir) = &args.lora {
-        super::config::lora_flag_present(dir)?;
+        super::config::check_lora_flag(dir, switchyard_gpu::lora::MAX_LORA_RANK)?;
     }
     let dataset_text = || {
         dataset

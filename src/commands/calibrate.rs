@@ -668,7 +668,7 @@ fn measure(args: &CalibrateArgs) -> anyhow::Result<SamplesFile> {
     );
     let config = super::config::load_or_defaults(args.config.as_deref(), &args.overrides)?;
     if let Some(dir) = &args.lora {
-        super::config::lora_flag_present(dir)?;
+        super::config::check_lora_flag(dir, config.lora.max_lora_rank)?;
     }
     let loaded = match &args.dummy {
         Some(_) => None,

@@ -377,14 +377,21 @@ fn adapter_config_valid(path: &str, limits: &switchyard_gpu::LoraLimits) -> Resu
 }
 
 /// `--lora DIR` (`generate`, `bench throughput`, `calibrate`) checked before the model loads
-/// (minutes for a large one) as `config check` checks a `lora.adapters` entry, nothing
-/// opened: a directory holding the PEFT files. A path that is not UTF-8 is left to the
+/// (minutes for a large one) as `config check` checks a `lora.adapters` entry: a directory
+/// holding the PEFT files, and its `adapter_config.json` read as the adapter loader reads it
+/// (the rank at most `max_rank`, the command's bound). A path that is not UTF-8 is left to the
 /// loader, which names it.
-pub fn lora_flag_present(dir: &std::path::Path) -> anyhow::Result<()> {
-    match dir.to_str() {
-        Some(d) => adapter_files_present(d).map_err(|why| anyhow::anyhow!("--lora: {why}")),
-        None => Ok(()),
-    }
+pub fn check_lora_flag(dir: &std::path::Path, max_rank: usize) -> anyhow::Result<()> {
+    let Some(d) = dir.to_str() else {
+        return Ok(());
+    };
+    let limits = switchyard_gpu::LoraLimits {
+        max_rank: max_rank.min(switchyard_gpu::lora::MAX_LORA_RANK),
+        ..switchyard_gpu::LoraLimits::default()
+    };
+    adapter_files_present(d)
+        .and_then(|()| adapter_config_valid(d, &limits))
+        .map_err(|why| anyhow::anyhow!("--lora: {why}"))
 }
 
 /// An I/O error's reason as a message part: lower case, without the OS error number.
@@ -485,6 +492,44 @@ pub fn tier_specs(config: &Config) -> Vec<TierSpec> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--lora DIR` is refused before the model loads for what the adapter loader would refuse
+    /// in its configuration (a rank above the command's bound, DoRA), not only for missing
+    /// files; a directory the loader would take passes.
+    #[test]
+    fn the_lora_flag_reads_the_adapter_configuration_before_the_load() {
+        let dir = crate::scratch::ScratchDir::new("lora-flag");
+        let d = dir.join("adapter");
+        std::fs::create_dir(&d).unwrap();
+        let e = check_lora_flag(&d, 64).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--lora: ") && e.contains("adapter_config.json"),
+            "{e}"
+        );
+        std::fs::write(
+            d.join("adapter_config.json"),
+            r#"{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}"#,
+        )
+        .unwrap();
+        std::fs::write(
+            d.join("adapter_model.safetensors"),
+            b"weights left to the load",
+        )
+        .unwrap();
+        check_lora_flag(&d, 64).unwrap();
+        let e = check_lora_flag(&d, 4).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--lora: ") && e.ends_with("rank 8 is outside 1..=4 (max_lora_rank)"),
+            "{e}"
+        );
+        std::fs::write(
+            d.join("adapter_config.json"),
+            r#"{"r": 8, "use_dora": true}"#,
+        )
+        .unwrap();
+        let e = check_lora_flag(&d, 64).unwrap_err().to_string();
+        assert!(e.contains("DoRA"), "{e}");
+    }
 
     /// The file is read again as the load read it: one grown past the bound (or replaced by
     /// something other than a regular file) is named with why, never read whole.

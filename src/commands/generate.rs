@@ -37,7 +37,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     // The sampling flags too (the token ids they could name are checked per prompt later).
     check_sampling_flags(&args)?;
     if let Some(dir) = &args.lora {
-        super::config::lora_flag_present(dir)?;
+        super::config::check_lora_flag(dir, switchyard_gpu::lora::MAX_LORA_RANK)?;
     }
     let path = runtime::resolve_model_path(args.model.as_deref())?;
     let model = runtime::load(&path)?;
