@@ -587,6 +587,25 @@ mod tests {
         watch.0.current.store(0, Ordering::Release);
     }
 
+    /// Runs the reporter over a stalled watch, one second a look, whose call returns and
+    /// whose watch is dropped at look `end_at`: the gauge `recorder` held at each look.
+    fn gauges_until_the_call_ends(recorder: &crate::testing::OneSeries, end_at: u64) -> Vec<f64> {
+        let (watch, weak, past) = stalled_watch();
+        let mut watch = Some(watch);
+        let mut seen = Vec::new();
+        let mut looks = 0;
+        report_until_gone(&weak, || {
+            seen.push(recorder.gauge());
+            looks += 1;
+            if looks == end_at {
+                let watch = watch.take().expect("the watch");
+                end_call(&watch);
+            }
+            past + Duration::from_secs(looks)
+        });
+        seen
+    }
+
     /// Regression: the reporter thread ended (the engine gone) while a stall was flagged, and
     /// `switchyard:engine_stalled` stayed at 1 for good. Here the stalled call returns and the
     /// engine ends within one look: the end lowers the gauge.
@@ -594,19 +613,7 @@ mod tests {
     fn the_watchs_end_lowers_the_gauge_of_a_stall_it_flagged() {
         let recorder = crate::testing::OneSeries::new(names::ENGINE_STALLED);
         metrics::with_local_recorder(&recorder, || {
-            let (watch, weak, past) = stalled_watch();
-            let mut watch = Some(watch);
-            let mut seen = Vec::new();
-            let mut looks = 0;
-            report_until_gone(&weak, || {
-                seen.push(recorder.gauge());
-                looks += 1;
-                if looks == 3 {
-                    let watch = watch.take().expect("the watch");
-                    end_call(&watch);
-                }
-                past + Duration::from_secs(looks)
-            });
+            let seen = gauges_until_the_call_ends(&recorder, 3);
             assert_eq!(
                 seen,
                 [0.0, 1.0, 1.0],
@@ -641,19 +648,7 @@ mod tests {
     fn a_panicking_look_is_contained_and_the_next_writes_the_gauge() {
         let recorder = crate::testing::OneSeries::panicking(names::ENGINE_STALLED, 1);
         metrics::with_local_recorder(&recorder, || {
-            let (watch, weak, past) = stalled_watch();
-            let mut watch = Some(watch);
-            let mut seen = Vec::new();
-            let mut looks = 0;
-            report_until_gone(&weak, || {
-                seen.push(recorder.gauge());
-                looks += 1;
-                if looks == 4 {
-                    let watch = watch.take().expect("the watch");
-                    end_call(&watch);
-                }
-                past + Duration::from_secs(looks)
-            });
+            let seen = gauges_until_the_call_ends(&recorder, 4);
             assert_eq!(
                 seen,
                 [0.0, 0.0, 1.0, 1.0],
